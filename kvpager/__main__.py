@@ -1,0 +1,5 @@
+import sys
+
+from kvpager.cli import main
+
+sys.exit(main())
