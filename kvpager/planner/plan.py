@@ -1,0 +1,234 @@
+"""The plan: every answer of `kvpager plan` for one model, one weight format and one device.
+
+`make_plan` is pure given its inputs (the CPU measurement happens before, in the CLI), so the same
+inputs always print the same numbers — the docs depend on that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpager.kv.sizing import KVShape, pool_size
+from kvpager.planner import kvmath
+from kvpager.planner.devices import Device, Reserve, default_reserve
+from kvpager.planner.models import ModelFacts
+from kvpager.planner.params import ParamCounts, count_parameters, expected_experts_read
+from kvpager.planner.weights import WEIGHT_FORMATS, WeightFormat, read_checkpoint_weights, weight_bytes
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the user asked for. `weights=None`: the checkpoint's own bytes if MODEL is a directory, else bf16."""
+
+    weights: WeightFormat | None = None
+    kv_dtype: str = "bf16"
+    context: int = 8192
+    batch: int = 16
+    num_prompt_tokens: int | None = None
+    num_generated_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+    reserve: Reserve | None = None  # None: the device's default reserve
+
+    def __post_init__(self) -> None:
+        for name in ("context", "batch", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if (self.num_prompt_tokens is None) != (self.num_generated_tokens is None):
+            raise ValueError("--prompt and --generate go together: give both (e.g. --prompt 1000 --generate 200)")
+        for name, value in (("--prompt", self.num_prompt_tokens), ("--generate", self.num_generated_tokens)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class WeightsAnswer:
+    format: str
+    bits_per_weight: float | None  # None: exact checkpoint bytes
+    assumption: str
+    num_bytes: int
+
+
+@dataclass
+class Plan:
+    """All answers; `to_json()` is the `--json` document (keys documented in docs/kv-memory.md)."""
+
+    model: str
+    model_source: str
+    num_parameters: int
+    num_active_parameters: int
+    published_parameters: int | None
+    weight_format: str
+    weight_bits_per_weight: float | None
+    weight_assumption: str
+    weight_bytes: int
+    kv_dtype: str
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_layer: list[int]
+    sliding_window_layers: int
+    context: int
+    kv_bytes_at_context: int
+    max_model_len: int
+    block_size: int
+    batch: int
+    device: dict[str, Any] | None = None
+    reserve_bytes: int | None = None
+    reserve_rule: str | None = None
+    usable_kv_bytes: int | None = None
+    fits: bool | None = None
+    max_context_tokens: int | None = None
+    max_context_tokens_by_memory: int | None = None
+    max_concurrency: int | None = None
+    max_concurrency_contiguous: int | None = None
+    decode_tokens_per_s_bound: float | None = None
+    decode_tokens_per_s_bound_batch: float | None = None
+    attention_pairs_cached: int | None = None
+    attention_pairs_uncached: int | None = None
+    attention_pairs_ratio: float | None = None
+    engine_num_blocks: int | None = None
+    engine_max_concurrency: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_weights(
+    facts: ModelFacts, counts: ParamCounts, model_dir: Path | None, fmt: WeightFormat | None
+) -> WeightsAnswer:
+    """Checkpoint bytes when a directory with safetensors is given and no format is forced."""
+    if fmt is None and model_dir is not None:
+        checkpoint = read_checkpoint_weights(model_dir)
+        if checkpoint is not None:
+            note = (
+                f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
+            )
+            return WeightsAnswer("checkpoint", None, note, checkpoint.num_bytes)
+    chosen = fmt or WEIGHT_FORMATS["bf16"]
+    return WeightsAnswer(chosen.name, chosen.bits_per_weight, chosen.assumption, weight_bytes(counts, chosen))
+
+
+def make_plan(facts: ModelFacts, options: PlanOptions, device: Device | None, model_dir: Path | None = None) -> Plan:
+    """Compute every answer. ValueError on inconsistent inputs."""
+    counts = count_parameters(facts)
+    weights = resolve_weights(facts, counts, model_dir, options.weights)
+    kv_name, kv_bytes = kvmath.parse_kv_dtype(options.kv_dtype)
+    per_layer = kvmath.kv_bytes_per_token_per_layer(facts, kv_bytes)
+    max_model_len = options.max_model_len or facts.max_position_embeddings or options.context
+    plan = Plan(
+        model=facts.name,
+        model_source=facts.source,
+        num_parameters=counts.total,
+        num_active_parameters=counts.active,
+        published_parameters=facts.published_parameters,
+        weight_format=weights.format,
+        weight_bits_per_weight=weights.bits_per_weight,
+        weight_assumption=weights.assumption,
+        weight_bytes=weights.num_bytes,
+        kv_dtype=kv_name,
+        kv_bytes_per_token=sum(per_layer),
+        kv_bytes_per_token_per_layer=per_layer,
+        sliding_window_layers=sum(w is not None for w in facts.layer_windows),
+        context=options.context,
+        kv_bytes_at_context=kvmath.kv_bytes_at_context(facts, kv_bytes, options.context),
+        max_model_len=max_model_len,
+        block_size=options.block_size,
+        batch=options.batch,
+    )
+    _add_attention_pairs(plan, options)
+    _add_capacity(plan, facts, options, device, kv_bytes, counts)
+    _add_engine(plan, facts, options, kv_bytes)
+    return plan
+
+
+def _add_attention_pairs(plan: Plan, options: PlanOptions) -> None:
+    if options.num_prompt_tokens is None or options.num_generated_tokens is None:
+        return
+    n, m = options.num_prompt_tokens, options.num_generated_tokens
+    plan.attention_pairs_cached = kvmath.attention_pairs_cached(n, m)
+    plan.attention_pairs_uncached = kvmath.attention_pairs_uncached(n, m)
+    plan.attention_pairs_ratio = (
+        plan.attention_pairs_uncached / plan.attention_pairs_cached if plan.attention_pairs_cached else None
+    )
+
+
+def _add_capacity(
+    plan: Plan, facts: ModelFacts, options: PlanOptions, device: Device | None, kv_bytes: int, counts: ParamCounts
+) -> None:
+    """Budget → max context, concurrency (paged and contiguous), decode bound."""
+    if device is not None:
+        reserve = options.reserve or default_reserve(device)
+        plan.device = {
+            "name": device.name,
+            "kind": device.kind,
+            "memory_bytes": device.memory_bytes,
+            "bandwidth_bytes_per_s": device.bandwidth_bytes_per_s,
+            "source": device.source,
+        }
+        plan.reserve_bytes, plan.reserve_rule = reserve.num_bytes, reserve.rule
+        plan.usable_kv_bytes = device.memory_bytes - reserve.num_bytes - plan.weight_bytes
+        _add_decode_bound(plan, facts, device, counts)
+    if options.kv_cache_memory is not None:
+        plan.usable_kv_bytes = options.kv_cache_memory
+        plan.notes.append("KV budget is --kv-cache-memory (the engine's pool), not derived from the device")
+    if plan.usable_kv_bytes is None:
+        return
+    budget = plan.usable_kv_bytes
+    by_memory = kvmath.max_context_by_memory(facts, kv_bytes, budget)
+    plan.max_context_tokens_by_memory = by_memory
+    plan.max_context_tokens = plan.max_model_len if by_memory is None else min(by_memory, plan.max_model_len)
+    plan.fits = budget >= kvmath.kv_bytes_paged(facts, kv_bytes, 1, options.block_size)
+    if options.context > plan.max_model_len:
+        plan.notes.append(
+            f"--context {options.context} exceeds max_model_len {plan.max_model_len}: no concurrency at that context"
+        )
+    else:
+        plan.max_concurrency = kvmath.max_concurrency_paged(
+            facts, kv_bytes, budget, options.context, options.block_size
+        )
+    plan.max_concurrency_contiguous = kvmath.max_concurrency_contiguous(facts, kv_bytes, budget, plan.max_model_len)
+
+
+def _add_decode_bound(plan: Plan, facts: ModelFacts, device: Device, counts: ParamCounts) -> None:
+    """tokens/s ≤ B × bandwidth / (weight bytes read + B × KV bytes read) per decode step."""
+    bytes_per_param = plan.weight_bytes / counts.total
+    for batch in (1, plan.batch):
+        read_params: float = counts.total
+        if facts.moe is not None:
+            sparse_layers = facts.num_layers - len(facts.moe.dense_layers)
+            per_expert = 3 * facts.hidden_size * facts.moe.expert_intermediate_size
+            read_params += expected_experts_read(facts, batch) * per_expert * sparse_layers - counts.expert_linear
+        step_bytes = read_params * bytes_per_param + batch * plan.kv_bytes_at_context
+        rate = batch * device.bandwidth_bytes_per_s / step_bytes
+        if batch == 1:
+            plan.decode_tokens_per_s_bound = rate
+        if batch == plan.batch:
+            plan.decode_tokens_per_s_bound_batch = rate
+    if facts.moe is not None:
+        plan.notes.append(
+            "MoE decode reads only the routed experts: top-k at batch 1, uniform routing assumed at batch B"
+        )
+
+
+def _add_engine(plan: Plan, facts: ModelFacts, options: PlanOptions, kv_bytes: int) -> None:
+    """The kvpager engine's pool for this budget: same function, same numbers (kvpager.kv.sizing)."""
+    if options.kv_cache_memory is None:
+        return
+    if facts.mla is not None:
+        plan.notes.append("the kvpager engine does not run MLA models: no engine block count")
+        return
+    shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_bytes)
+    pool = pool_size(shape, options.block_size, options.kv_cache_memory)
+    plan.engine_num_blocks = pool.num_blocks
+    plan.engine_max_concurrency = pool.max_concurrency(plan.max_model_len)
+    if plan.sliding_window_layers:
+        plan.notes.append(
+            "the engine caches every layer in full (no sliding-window savings); engine_* figures reflect that"
+        )
