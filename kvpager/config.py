@@ -46,18 +46,32 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        _check(self.dtype in ("float32", "float16", "bfloat16"), f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        _check(
+            self.dtype in ("float32", "float16", "bfloat16"),
+            f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}",
+        )
         _check(
             self.kv_cache_dtype == "auto" or self.kv_cache_dtype in ("float32", "float16", "bfloat16"),
             f"kv_cache_dtype must be 'auto', float32, float16 or bfloat16, got {self.kv_cache_dtype!r}",
         )
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
         _check(0.0 < self.cpu_kv_fraction <= 1.0, f"cpu_kv_fraction must be in (0, 1], got {self.cpu_kv_fraction}")
-        _check(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(
+            self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+        )
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
 
     @property

@@ -1,0 +1,1 @@
+"""Benchmarks: `kvpager bench throughput | serve | memory | roofline | prefix`."""

@@ -1,0 +1,201 @@
+"""Engine: the synchronous step loop that ties scheduler, runner and output processing together.
+
+`add_request` validates and queues; each `step()` schedules one batch, runs it, samples, and returns
+incremental outputs for the requests that moved. Not thread-safe: `AsyncEngine` drives it from one
+thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from kvpager.config import EngineConfig
+from kvpager.kv.hashing import RequestId
+from kvpager.kv.kv_manager import KVCacheManager
+from kvpager.loading import LoadedModel, load, log_pool
+from kvpager.output_processor import OutputProcessor
+from kvpager.outputs import RequestOutput
+from kvpager.request import Request, RequestStatus
+from kvpager.runner import ModelRunner
+from kvpager.sampling_params import SamplingParams
+from kvpager.scheduler import Scheduler, SchedulerConfig
+
+FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # owned blocks / all blocks
+    num_owned_blocks: int
+    num_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class Engine:
+    """Paged-KV continuous-batching engine. See docs/internals.md for the contract."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load(config)
+        lm = self.loaded
+        self.tokenizer = lm.tokenizer
+        self.model_spec = lm.spec
+        self.pool = lm.pool
+        self.max_model_len = lm.max_model_len
+        self.model_name = str(config.model) if config.model is not None else "kvpager-demo"
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.kv_manager = KVCacheManager(
+            block_size=config.block_size,
+            num_blocks=lm.pool.num_blocks,
+            enable_caching=config.enable_prefix_caching,
+            hash_seed=lm.fingerprint,
+        )
+        sched_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=lm.max_model_len,
+            block_size=config.block_size,
+        )
+        self.scheduler = Scheduler(sched_config, self.kv_manager)
+        self.runner = ModelRunner(
+            lm.model,
+            lm.spec,
+            num_blocks=lm.pool.num_blocks,
+            block_size=config.block_size,
+            kv_dtype=lm.kv_dtype,
+            device=lm.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, lm.max_model_len)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        log_pool(lm.pool, lm.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the problem; nothing is queued then."""
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens and the prompt has "
+                f"{len(prompt_ids)} tokens, which leaves no room for output"
+            )
+        child_params = replace(params, max_tokens=max_tokens)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = [
+            Request(RequestId(seq_id), list(prompt_ids), _child_params(child_params, i), arrival_time=arrival)
+            for i, seq_id in enumerate(seq_ids)
+        ]
+        added: list[str] = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except ValueError:
+            for seq_id in added:
+                self.scheduler.abort_request(RequestId(seq_id))
+            raise
+        for req in requests:
+            self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+        self.outputs.add_request(request_id, prompt_text, prompt_ids, child_params, max_tokens, seq_ids, arrival)
+        self._prompt_tokens_total += len(prompt_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output, or None if unknown."""
+        for seq_id in self.outputs.seq_ids_of(request_id):
+            self.scheduler.abort_request(RequestId(seq_id))
+            self.runner.remove_request(seq_id)
+        return self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.parents)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of requests that produced tokens."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        sampled = self.runner.execute(sched_out)
+        now = time.monotonic()
+        self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
+        changed: dict[str, None] = {}
+        for seq_id, s in sampled.items():
+            request = self.scheduler.requests[seq_id]
+            reason = self.outputs.process_token(seq_id, s.token_id, s.logprobs, request.num_cached_tokens, now)
+            self._generation_tokens_total += 1
+            if reason is not None:
+                self.scheduler.finish_request(seq_id, FINISH_STATUS[reason])
+                self.runner.remove_request(seq_id)
+            changed[self.outputs.parent_of(seq_id)] = None
+        return [self.outputs.collect(parent_id, now) for parent_id in changed]
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_manager.block_pool
+        num_blocks = self.pool.num_blocks
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=pool.num_owned_blocks / num_blocks,
+            num_owned_blocks=pool.num_owned_blocks,
+            num_blocks=num_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            prefix_cache_queries=pool.queries,
+            prefix_cache_hits=pool.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        vocab = self.model_spec.vocab_size
+        bad = [t for t in prompt_ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{vocab - 1})")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt."
+            )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)
