@@ -7,12 +7,16 @@ thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
 from kvpager.config import EngineConfig
 from kvpager.kv.hashing import RequestId
 from kvpager.kv.kv_manager import KVCacheManager
+from kvpager.kv.offload import KVTierStats, TieredBlockStore, build_tiers
+from kvpager.kv.pack import ModelFacts, PackExpectation
+from kvpager.kv.packs import KVTransfer
 from kvpager.loading import LoadedModel, load, log_pool
 from kvpager.output_processor import OutputProcessor
 from kvpager.outputs import RequestOutput
@@ -20,6 +24,8 @@ from kvpager.request import Request, RequestStatus
 from kvpager.runner import ModelRunner
 from kvpager.sampling_params import SamplingParams
 from kvpager.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("kvpager")
 
 FINISH_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -56,19 +62,6 @@ class Engine:
         self.max_model_len = lm.max_model_len
         self.model_name = str(config.model) if config.model is not None else "kvpager-demo"
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        self.kv_manager = KVCacheManager(
-            block_size=config.block_size,
-            num_blocks=lm.pool.num_blocks,
-            enable_caching=config.enable_prefix_caching,
-            hash_seed=lm.fingerprint,
-        )
-        sched_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=lm.max_model_len,
-            block_size=config.block_size,
-        )
-        self.scheduler = Scheduler(sched_config, self.kv_manager)
         self.runner = ModelRunner(
             lm.model,
             lm.spec,
@@ -78,6 +71,29 @@ class Engine:
             device=lm.device,
             eos_token_ids=self.eos_token_ids,
         )
+        tiers = build_tiers(config, lm.fingerprint)
+        self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None
+        self.kv_manager = KVCacheManager(
+            block_size=config.block_size,
+            num_blocks=lm.pool.num_blocks,
+            enable_caching=config.enable_prefix_caching,
+            hash_seed=lm.fingerprint,
+            store=self.kv_store,
+        )
+        sched_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=lm.max_model_len,
+            block_size=config.block_size,
+        )
+        self.scheduler = Scheduler(sched_config, self.kv_manager)
+        self.kv_transfer = KVTransfer(
+            self.kv_manager, self.runner, self.kv_expectation(), config.max_num_batched_tokens, self.kv_store
+        )
+        for path in config.kv_packs:
+            num_blocks = self.kv_transfer.load_pack(path)
+            logger.info("KV pack %s: %d blocks pinned in the prefix cache", path, num_blocks)
+        self._is_shut_down = False
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, lm.max_model_len)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -169,6 +185,64 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
         )
+
+    # ---- KV tiers, packs and transfer --------------------------------------------------------
+    def kv_expectation(self) -> PackExpectation:
+        """What a KV pack or payload must match to be loaded here (model facts + fingerprint)."""
+        lm, spec = self.loaded, self.model_spec
+        facts = ModelFacts(
+            architecture=spec.architecture,
+            dtype=self.config.resolved_kv_cache_dtype,
+            block_size=self.config.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            tokenizer_digest=self.tokenizer.tokenizer_digest(),
+            weights_digest=lm.weights_digest,
+        )
+        return PackExpectation(model_fingerprint=lm.fingerprint.hex(), model=facts)
+
+    def export_kv(self, prompt: str | list[int], codec: str = "lossless") -> bytes:
+        """KV pack bytes of the prompt's full blocks, prefilling those not cached (ValueError on bad input).
+
+        Call between steps (on the engine thread); running requests are not disturbed.
+        """
+        _, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        return self.kv_transfer.export(prompt_ids, codec)
+
+    def import_kv(self, payload: bytes, max_bytes: int | None = None) -> int:
+        """Load a KV payload (from `export_kv` or a pack file) into the prefix cache; returns blocks imported.
+
+        ValueError naming the problem on a payload over `max_bytes`, a corrupted one, or one made for
+        another model (fingerprint, dtype, block size, tokenizer, ...). Call between steps.
+        """
+        return self.kv_transfer.import_payload(payload, max_bytes)
+
+    def kv_tier_stats(self) -> KVTierStats:
+        """Per-tier hits, misses, bytes held, evictions, load/save times and bytes moved."""
+        evictions = self.kv_manager.block_pool.evictions
+        base = self.kv_store.stats(evictions) if self.kv_store is not None else KVTierStats(None, None, evictions)
+        transfer = self.kv_transfer
+        return replace(
+            base,
+            exported=replace(transfer.exported),
+            imported=replace(transfer.imported),
+            pinned_blocks=len(transfer.pinned_block_ids),
+        )
+
+    def shutdown(self) -> None:
+        """Persist the prefix cache: device-cached blocks go to the tiers, the host tier is flushed to disk.
+
+        Idempotent. Requests still running are left as they are (abort them first to free blocks).
+        """
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        if self.kv_store is None:
+            return
+        written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
+        logger.info("KV tiers: %d blocks flushed to disk at shutdown", written)
 
     # ---- helpers --------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

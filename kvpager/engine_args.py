@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvpager.config import EngineConfig
+from kvpager.config import KV_CODECS, EngineConfig
 
 _UNITS = {
     "": 1,
@@ -61,6 +61,25 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    add_kv_storage_args(parser)
+
+
+def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
+    """KV tiers and packs: host RAM tier, persistent disk tier, tier codec, packs pinned at start."""
+    g = parser.add_argument_group("KV tiers and packs")
+    g.add_argument(
+        "--host-kv-cache-memory", type=_bytes_arg, default=None, help="host RAM tier for evicted KV blocks, e.g. 4GiB"
+    )
+    g.add_argument("--kv-cache-dir", default=None, help="persistent disk tier directory (survives restarts)")
+    g.add_argument(
+        "--kv-cache-dir-max-bytes", type=_bytes_arg, default=None, help="disk tier size bound (default 10GiB)"
+    )
+    g.add_argument(
+        "--kv-codec", default="lossless", choices=list(KV_CODECS), help="tier block codec (lossy ones are opt-in)"
+    )
+    g.add_argument(
+        "--kv-pack", action="append", default=None, dest="kv_packs", help="KV pack pinned at start (repeatable)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -81,4 +100,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        host_kv_cache_memory=args.host_kv_cache_memory,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_dir_max_bytes=args.kv_cache_dir_max_bytes,
+        kv_codec=args.kv_codec,
+        kv_packs=tuple(args.kv_packs or ()),
     )

@@ -39,6 +39,7 @@ class LoadedModel:
     fingerprint: bytes
     max_model_len: int
     pool: PoolSize
+    weights_digest: str = ""  # what the fingerprint names the weights by ("dummy" for dummy weights)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,7 +81,18 @@ def load(config: EngineConfig) -> LoadedModel:
         tokenizer.tokenizer_digest(),
     )
     return LoadedModel(
-        model_dir, spec, model, tokenizer, device, dtype, kv_dtype, weight_bytes, fingerprint, max_model_len, pool
+        model_dir,
+        spec,
+        model,
+        tokenizer,
+        device,
+        dtype,
+        kv_dtype,
+        weight_bytes,
+        fingerprint,
+        max_model_len,
+        pool,
+        weights_digest,
     )
 
 

@@ -71,6 +71,17 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """Block `block_id`'s K/V: a view [num_layers, 2, block_size, num_kv_heads, head_dim].
+
+        NOTE: a view of the pool: encode or copy it before the block is reused.
+        """
+        return self.kv_cache[:, :, block_id]
+
+    def write_block(self, block_id: int, block: torch.Tensor) -> None:
+        """Copy `block` ([num_layers, 2, block_size, num_kv_heads, head_dim], any device) into the pool."""
+        self.kv_cache[:, :, block_id].copy_(block)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
         scheduled = out.scheduled

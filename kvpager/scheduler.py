@@ -156,12 +156,18 @@ class Scheduler:
             )
         # NOTE: the last sampled token is never fed back, so total - 1 positions need K/V.
         num_blocks = cdiv(total - 1, self.kv_manager.block_size)
-        if num_blocks > self.kv_manager.num_blocks:
+        # NOTE: pinned blocks (KV packs) are never free, so a request larger than the rest would wait forever.
+        num_usable = self.kv_manager.num_usable_blocks
+        if num_blocks > num_usable:
             raise ValueError(
-                f"The KV cache holds {self.kv_manager.num_blocks * self.kv_manager.block_size} tokens "
-                f"({self.kv_manager.num_blocks} blocks). However, you requested {total} tokens ({num_prompt} in "
+                f"The KV cache holds {num_usable * self.kv_manager.block_size} tokens "
+                f"({num_usable} blocks{self._pinned_note()}). However, you requested {total} tokens ({num_prompt} in "
                 f"the prompt, {max_tokens} for the completion). Reduce max_tokens or give the KV cache more memory."
             )
+
+    def _pinned_note(self) -> str:
+        num_pinned = self.kv_manager.block_pool.num_pinned_blocks
+        return f" free for requests; {num_pinned} more are pinned by KV packs" if num_pinned else ""
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step's batch (running requests first, then waiting ones)."""

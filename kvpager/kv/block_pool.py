@@ -116,6 +116,10 @@ class BlockPool:
         """The free queue, head first: the order in which `allocate` will reuse (and evict) blocks."""
         return [block.block_id for block in self._free]
 
+    def cached_blocks(self) -> list[tuple[BlockHash, int]]:
+        """Every (hash, block id) in the prefix cache, owned or free (e.g. to persist them at shutdown)."""
+        return list(self._hash_to_block_id.items())
+
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`, or None. Does not change ref counts (see `touch`)."""
         if not self.enable_caching:
@@ -196,6 +200,11 @@ class BlockPool:
             if self._block_id_to_pins[block_id] == 0:
                 del self._block_id_to_pins[block_id]
         self.free(block_ids)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by pins (not available to requests)."""
+        return len(self._block_id_to_pins)
 
     def num_pins(self, block_id: int) -> int:
         return self._block_id_to_pins.get(block_id, 0)

@@ -4,11 +4,16 @@ A request's block table covers its computed positions plus the ones scheduled th
 whose tokens are known are hashed and registered in the cache when they are *allocated* (like vLLM
 v1), not when the forward has run: a request admitted in the same step then hits them, which is
 exact because every layer writes all new K/V before any sequence attends (docs/internals.md).
+
+Blocks missing from the device pool may come from a `BlockSource` (the KV tiers below the pool, a
+loaded KV pack): a lookup continues the hash chain into the source, copies each hit into a fresh
+device block and registers it, so the rest of the engine only ever sees ordinary cached blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvpager.kv.block_pool import BlockPool, EvictCallback
 from kvpager.kv.hashing import BlockHash, RequestId, extend_block_hashes
@@ -17,6 +22,26 @@ from kvpager.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class BlockSource(Protocol):
+    """Where a block missing from the device pool may be found, by hash (KV tiers, a loaded pack)."""
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether `load_into` may succeed (cheap; no data is read)."""
+        ...
+
+    def load_into(self, block_hash: BlockHash, block_id: int) -> bool:
+        """Write the block's K/V into device block `block_id`; False when it cannot (e.g. a bad record)."""
+        ...
+
+
+class BlockStore(BlockSource, Protocol):
+    """A source that also keeps what the device pool evicts (the KV tiers)."""
+
+    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        """Copy the block out before the pool reuses it (see `BlockPool.on_evict`)."""
+        ...
 
 
 class KVCacheManager:
@@ -29,9 +54,15 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_seed: bytes = b"",
         on_evict: EvictCallback | None = None,
+        store: BlockStore | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if store is not None:
+            if on_evict is not None:
+                raise ValueError("pass either on_evict or store (whose on_evict is used), not both")
+            on_evict = store.on_evict
+        self.store = store
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -46,6 +77,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of the pool owned by requests or pins (0.0 .. 1.0)."""
         return self.block_pool.num_owned_blocks / self.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can ever hold: the pool minus pinned blocks (e.g. KV packs)."""
+        return self.num_blocks - self.block_pool.num_pinned_blocks
 
     def block_ids(self, request_id: RequestId) -> tuple[int, ...]:
         """The request's whole block table (empty when it holds none)."""
@@ -73,13 +109,58 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        block_ids: list[int] = []
+        if self.store is not None:
+            # NOTE: blocks are loaded now, at admission, so their K/V is in place before the next
+            # forward; they are released as ordinary cached blocks that `allocate_slots` revives.
+            block_ids = self.acquire_blocks(self._hashes(request)[:max_blocks], self.store)
+            self.block_pool.free(block_ids)
+            return block_ids, len(block_ids) * self.block_size
+        block_ids = []
         for block_hash in self._hashes(request)[:max_blocks]:
             block_id = self.block_pool.get_cached_block(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
+
+    def acquire_blocks(self, block_hashes: Sequence[BlockHash], source: BlockSource) -> list[int]:
+        """Take one reference on the block of each hash of a chain, in order; returns their ids.
+
+        A hash missing from the device pool is loaded from `source` into a fresh block, which is then
+        registered under it. Stops at the first hash found nowhere, a failed load, or an empty free
+        queue. NOTE: references are held while the chain is built, so loading a later block can
+        never evict an earlier one. Release them with `block_pool.free` (or keep them as pins).
+        """
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is not None:
+                self.block_pool.touch([block_id])
+            elif not self.block_pool.num_free_blocks or not source.contains(block_hash):
+                break
+            else:
+                block_id = self.block_pool.allocate(1)[0]
+                if not source.load_into(block_hash, block_id):
+                    self.block_pool.free([block_id])
+                    break
+                self.block_pool.cache_block(block_id, block_hash)
+            block_ids.append(block_id)
+        return block_ids
+
+    def insert_blocks(self, block_hashes: Sequence[BlockHash], source: BlockSource, *, pin: bool = False) -> list[int]:
+        """Put a chain of blocks (an imported payload, a KV pack) into the prefix cache.
+
+        Returns the device block ids of the leading hashes that fit. With `pin`, they stay owned by the
+        pool (never evicted) until `block_pool.unpin`; otherwise they are free cached blocks, most
+        recently used.
+        """
+        if not self.enable_caching:
+            raise ValueError("KV blocks can only be imported with prefix caching enabled")
+        block_ids = self.acquire_blocks(block_hashes, source)
+        if pin:
+            self.block_pool.pin(block_ids)
+        self.block_pool.free(block_ids)
+        return block_ids
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> int:
         """Free blocks that `allocate_slots` would consume (including reviving cached free blocks)."""
