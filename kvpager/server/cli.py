@@ -1,0 +1,113 @@
+"""`kvpager serve`: the OpenAI-compatible HTTP server (uvicorn), with vLLM's flag spellings."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kvpager.engine_args import add_engine_args, config_from_args, parse_bytes
+from kvpager.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+
+logger = logging.getLogger("kvpager.server")
+
+API_KEY_ENV = "KVPAGER_API_KEY"
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpager serve", description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)."
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model` (default: --model)"
+    )
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the tokenizer's)")
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="413 above this, e.g. 16MiB",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="503 + Retry-After when this many requests wait (default: unbounded)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP settings; the chat template file is read here so a bad path fails at start."""
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--chat-template {args.chat_template!r} is not a file; pass a Jinja2 template file")
+        template = path.read_text(encoding="utf-8")
+    return ServerSettings(
+        served_model_names=list(args.served_model_name or []),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        chat_template=template,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until interrupted. Returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print("kvpager serve: error: give the model once (positional or --model)", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+        config = config_from_args(args)
+        if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+        return _serve(args, config, settings)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvpager serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace, config: object, settings: ServerSettings) -> int:
+    import uvicorn
+
+    from kvpager.async_engine import AsyncEngine
+    from kvpager.engine import Engine
+    from kvpager.server.app import build_app
+
+    engine = Engine(config)  # type: ignore[arg-type]  # logs the KV pool: blocks, tokens, max concurrency
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting_requests)
+    app = build_app(async_engine, settings)
+    async_engine.start()
+    logger.info(
+        "serving %s on http://%s:%d/v1", settings.served_model_names or [engine.model_name], args.host, args.port
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
