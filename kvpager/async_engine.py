@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpager.outputs import RequestOutput
 from kvpager.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpager.async_engine")
+
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -42,6 +44,15 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the loop thread between steps; its result or error resolves `future`."""
+
+    fn: Callable[[Any], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
 
 
 class RequestStream:
@@ -102,7 +113,7 @@ class RequestStream:
 
 @dataclass
 class _Inbox:
-    commands: list[_Add | _Abort] = field(default_factory=list)
+    commands: list[_Add | _Abort | _Call] = field(default_factory=list)
     num_pending_adds: int = 0
 
 
@@ -124,6 +135,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._error: BaseException | None = None
         self._stopped = False
+        self._engine_shut_down = False
         self._thread: threading.Thread | None = None
 
     # -- pass-throughs the server reads ---------------------------------------------------------
@@ -164,12 +176,19 @@ class AsyncEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop thread after its current step; pending requests fail with EngineDeadError."""
+        """Stop the loop thread after its current step; pending requests fail with EngineDeadError.
+
+        On its way out the loop thread aborts what is still running and calls `engine.shutdown()`
+        (when the engine has one), which persists the prefix cache to the KV tiers (host → disk).
+        Idempotent.
+        """
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        elif not self._engine_shut_down:  # never started: nobody else will flush the tiers
+            self._shutdown_engine()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     # -- requests -------------------------------------------------------------------------------
@@ -207,6 +226,22 @@ class AsyncEngine:
             # NOTE: closing this generator does not close the inner iterator; abort explicitly.
             stream.abort()
 
+    async def run_in_engine(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(engine)` on the loop thread between two steps and return its result (or raise its error).
+
+        The engine is not thread-safe; this is the only way for other code to touch it while the loop
+        runs (KV export/import, tier stats). `fn` blocks the step loop while it runs, so keep it
+        short. Raises `EngineDeadError` when the loop is not running.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._cond:
+            if self._error is not None or self._stopped or self._thread is None:
+                raise EngineDeadError(f"the engine loop is not running ({self._error or 'stopped'})")
+            self._inbox.commands.append(_Call(fn, future, loop))
+            self._cond.notify()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op when it is unknown or finished)."""
         with self._cond:
@@ -241,7 +276,7 @@ class AsyncEngine:
                 while not self._inbox.commands and not has_work and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
-                    return
+                    break
                 commands, self._inbox.commands = self._inbox.commands, []
             try:
                 self._apply(commands)
@@ -256,12 +291,30 @@ class AsyncEngine:
                 self._error = exc
                 self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
                 return
+        self._shutdown_engine()
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _shutdown_engine(self) -> None:
+        """Abort what still runs (its full blocks stay cached) and let the engine persist its KV."""
+        self._engine_shut_down = True
+        try:
+            with self._cond:
+                running = list(self._streams)
+            for request_id in running:
+                self.engine.abort_request(request_id)
+            shutdown = getattr(self.engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        except Exception:  # a failed flush must not hide the shutdown itself
+            logger.exception("engine shutdown failed; the KV tiers may not have been flushed")
+
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
         results: list[tuple[RequestStream, Exception | None]] = []
         for cmd in commands:
             if isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
+                continue
+            if isinstance(cmd, _Call):
+                _run_call(self.engine, cmd)
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
@@ -291,10 +344,38 @@ class AsyncEngine:
         with self._cond:
             streams = list(self._streams.values())
             self._streams.clear()
-            pending = [c for c in self._inbox.commands if isinstance(c, _Add)]
+            pending = [c for c in self._inbox.commands if isinstance(c, _Add | _Call)]
             self._inbox = _Inbox()
         for stream in streams:
             stream._resolve_added(error)
             stream._put(error)
         for cmd in pending:
-            cmd.stream._resolve_added(error)
+            if isinstance(cmd, _Call):
+                _resolve(cmd, None, error)
+            else:
+                cmd.stream._resolve_added(error)
+
+
+def _run_call(engine: Any, call: _Call) -> None:
+    """Run one `_Call` on the loop thread; an exception goes to the caller, not the loop."""
+    try:
+        result = call.fn(engine)
+    except Exception as exc:
+        _resolve(call, None, exc)
+        return
+    _resolve(call, result, None)
+
+
+def _resolve(call: _Call, result: Any, error: BaseException | None) -> None:
+    def resolve() -> None:
+        if call.future.done():  # the caller was cancelled
+            return
+        if error is None:
+            call.future.set_result(result)
+        else:
+            call.future.set_exception(error)
+
+    try:
+        call.loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's event loop is closed
+        pass

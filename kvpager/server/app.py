@@ -6,6 +6,7 @@ handlers that keep every error in OpenAI's shape (pydantic's 422 becomes a 400).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,10 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from kvpager.async_engine import AsyncEngine
+from kvpager.async_engine import AsyncEngine, EngineDeadError
 from kvpager.server.chat import create_chat_completion
 from kvpager.server.completions import create_completion
-from kvpager.server.errors import ApiError, ApiKeyMiddleware, BodyLimitMiddleware
+from kvpager.server.disagg import ROLES, PrefillClient, PrefillSettings
+from kvpager.server.errors import ApiError, ApiKeyMiddleware, BodyLimit, BodyLimitMiddleware
+from kvpager.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES, IMPORT_PATH, add_kv_routes
 from kvpager.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvpager.server.protocol import (
     ChatCompletionRequest,
@@ -39,6 +42,7 @@ logger = logging.getLogger("kvpager.server")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 # Paths that stay reachable without the API key (as in vLLM, only the API itself is guarded).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+KV_STATS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -49,30 +53,52 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     chat_template: str | None = None  # template text (from --chat-template); None: the tokenizer's
+    max_kv_import_bytes: int = DEFAULT_MAX_KV_IMPORT_BYTES  # body bound of /v1/kv/import
+    role: str = "both"  # both | prefill | decode (decode fetches prompt KV from `prefill`)
+    prefill: PrefillSettings | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.max_kv_import_bytes < 1:
+            raise ValueError(f"--max-kv-import-bytes must be >= 1, got {self.max_kv_import_bytes}")
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if (self.role == "decode") != (self.prefill is not None):
+            raise ValueError("--role decode needs --prefill-url URL, and --prefill-url is only for --role decode")
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine`; the engine loop starts with the app (idempotent)."""
     names = list(settings.served_model_names) or [engine.model_name]
-    metrics = ServerMetrics(engine.stats, names[0])
-    serving = Serving(engine, names, metrics)
+    prefill = None
+    if settings.prefill is not None:
+        prefill = PrefillClient(settings.prefill, int(engine.config.block_size), settings.max_kv_import_bytes)
+    metrics = ServerMetrics(engine.stats, names[0], prefill.stats.as_dict if prefill is not None else None)
+    serving = Serving(engine, names, metrics, prefill)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        yield
+        try:
+            yield
+        finally:
+            if prefill is not None:
+                await prefill.aclose()
+            # NOTE: stops the loop and calls engine.shutdown(), which flushes the KV tiers to disk.
+            await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="kvpager", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
     _add_routes(app, serving, engine, settings)
+    add_kv_routes(app, serving, engine, settings.chat_template, settings.max_kv_import_bytes)
     # NOTE: added last so they run first: no body is parsed before the size and key checks.
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    kv_limit = BodyLimit(settings.max_kv_import_bytes, "--max-kv-import-bytes")
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes, route_limits={IMPORT_PATH: kv_limit}
+    )
     return app
 
 
@@ -125,7 +151,19 @@ def _add_routes(app: FastAPI, serving: Serving, engine: AsyncEngine, settings: S
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        await _refresh_kv_stats(serving, engine)
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _refresh_kv_stats(serving: Serving, engine: AsyncEngine) -> None:
+    """Read the KV tier stats on the engine thread; on a dead or stuck loop keep the last ones."""
+    try:
+        stats = await asyncio.wait_for(
+            engine.run_in_engine(lambda e: e.kv_tier_stats().as_dict()), timeout=KV_STATS_TIMEOUT_S
+        )
+    except (EngineDeadError, TimeoutError):
+        return
+    serving.metrics.kv_tiers = stats
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -10,10 +10,13 @@ from pathlib import Path
 
 from kvpager.engine_args import add_engine_args, config_from_args, parse_bytes
 from kvpager.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from kvpager.server.disagg import DEFAULT_PREFILL_TIMEOUT_S, ROLES, PrefillSettings
+from kvpager.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES
 
 logger = logging.getLogger("kvpager.server")
 
 API_KEY_ENV = "KVPAGER_API_KEY"
+PREFILL_API_KEY_ENV = "KVPAGER_PREFILL_API_KEY"
 
 
 def _bytes(text: str) -> int:
@@ -48,8 +51,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="503 + Retry-After when this many requests wait (default: unbounded)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_kv_transfer_args(p)
     add_engine_args(p)
     return p
+
+
+def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    """KV over HTTP: the import size bound and the disaggregated prefill/decode roles."""
+    g = p.add_argument_group("KV transfer and disaggregated serving")
+    g.add_argument(
+        "--max-kv-import-bytes",
+        type=_bytes,
+        default=DEFAULT_MAX_KV_IMPORT_BYTES,
+        help="413 above this on /v1/kv/import (default 1GiB)",
+    )
+    g.add_argument(
+        "--role",
+        default="both",
+        choices=list(ROLES),
+        help="decode: fetch each prompt's KV from --prefill-url, then decode here (default: both)",
+    )
+    g.add_argument("--prefill-url", default=None, help="prefill server root, e.g. http://10.0.0.2:8000")
+    g.add_argument(
+        "--prefill-api-key", default=None, help=f"the prefill server's API key (default: ${PREFILL_API_KEY_ENV})"
+    )
+    g.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=DEFAULT_PREFILL_TIMEOUT_S,
+        help="seconds to wait for the prefill server before prefilling locally",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -60,11 +91,21 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         if not path.is_file():
             raise ValueError(f"--chat-template {args.chat_template!r} is not a file; pass a Jinja2 template file")
         template = path.read_text(encoding="utf-8")
+    prefill = None
+    if args.prefill_url is not None:
+        prefill = PrefillSettings(
+            url=args.prefill_url,
+            api_key=args.prefill_api_key or os.environ.get(PREFILL_API_KEY_ENV) or None,
+            timeout_s=args.prefill_timeout,
+        )
     return ServerSettings(
         served_model_names=list(args.served_model_name or []),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
         chat_template=template,
+        max_kv_import_bytes=args.max_kv_import_bytes,
+        role=args.role,
+        prefill=prefill,
     )
 
 
@@ -100,7 +141,12 @@ def _serve(args: argparse.Namespace, config: object, settings: ServerSettings) -
     app = build_app(async_engine, settings)
     async_engine.start()
     logger.info(
-        "serving %s on http://%s:%d/v1", settings.served_model_names or [engine.model_name], args.host, args.port
+        "serving %s on http://%s:%d/v1 (role %s%s)",
+        settings.served_model_names or [engine.model_name],
+        args.host,
+        args.port,
+        settings.role,
+        f", prefill server {settings.prefill.base_url}" if settings.prefill is not None else "",
     )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvpager.server.protocol import error_body
@@ -62,24 +63,36 @@ async def send_error(send: Send, error: ApiError) -> None:
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-class BodyLimitMiddleware:
-    """Answers 413 when a request body exceeds `max_bytes`, before anything parses it.
+@dataclass(frozen=True)
+class BodyLimit:
+    """A request-body size bound and the flag that raises it (named in the 413 message)."""
 
+    max_bytes: int
+    flag: str = "--max-request-body-bytes"
+
+
+class BodyLimitMiddleware:
+    """Answers 413 when a request body exceeds its route's limit, before anything parses it.
+
+    `max_bytes` bounds every path not in `route_limits` (e.g. `/v1/kv/import`, whose KV payloads
+    are far larger than any JSON request, has a limit of its own).
     NOTE: the body is read (up to the limit) and replayed to the app; after the replay, `receive`
     goes back to the server's own, so the app still sees `http.disconnect` when the client leaves.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, route_limits: Mapping[str, BodyLimit] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default = BodyLimit(max_bytes)
+        self.route_limits = dict(route_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.route_limits.get(scope.get("path", ""), self.default)
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await send_error(send, self._too_large(int(declared)))
+        if declared is not None and declared.isdigit() and int(declared) > limit.max_bytes:
+            await send_error(send, _too_large(int(declared), limit))
             return
         chunks: list[bytes] = []
         size = 0
@@ -89,8 +102,8 @@ class BodyLimitMiddleware:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await send_error(send, self._too_large(size))
+            if size > limit.max_bytes:
+                await send_error(send, _too_large(size, limit))
                 return
             if not message.get("more_body", False):
                 break
@@ -105,13 +118,13 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self, size: int) -> ApiError:
-        return ApiError(
-            413,
-            f"Request body of {size} bytes exceeds the limit of {self.max_bytes} bytes "
-            "(raise it with --max-request-body-bytes).",
-            code="request_too_large",
-        )
+
+def _too_large(size: int, limit: BodyLimit) -> ApiError:
+    return ApiError(
+        413,
+        f"Request body of {size} bytes exceeds the limit of {limit.max_bytes} bytes (raise it with {limit.flag}).",
+        code="request_too_large",
+    )
 
 
 class ApiKeyMiddleware:

@@ -56,12 +56,52 @@ class _EngineStatsCollector(Collector):
             yield counter
 
 
-class ServerMetrics:
-    """The metrics of one app: engine gauges/counters plus request latency histograms."""
+# KV tier values (flat names of `KVTierStats.as_dict()`) that go up and down; the rest only grow.
+_KV_GAUGE_SUFFIXES = ("bytes_held", "num_blocks", "pinned_blocks")
 
-    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+
+class _KVCollector(Collector):
+    """`kvpager:kv_<name>` for every KV tier value and disaggregation counter (see `ServerMetrics`)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
+        self._metrics = metrics
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        values = dict(self._metrics.kv_tiers)
+        if self._metrics.get_disagg is not None:
+            values.update(self._metrics.get_disagg())
+        for key, value in sorted(values.items()):
+            name = f"kvpager:kv_{key}"
+            help_text = f"KV tiers, packs and transfer: {key.replace('_', ' ')}."
+            family: GaugeMetricFamily | CounterMetricFamily
+            if key.endswith(_KV_GAUGE_SUFFIXES):
+                family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            else:
+                family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model_name], float(value))
+            yield family
+
+
+class ServerMetrics:
+    """The metrics of one app: engine gauges/counters, KV tier values, request latency histograms.
+
+    `kv_tiers` holds the latest `engine.kv_tier_stats().as_dict()` (the /metrics route refreshes
+    it on the engine thread before rendering; the engine is not thread-safe); `get_disagg`, when
+    set, returns the KV-fetch counters of a disaggregated decode server.
+    """
+
+    def __init__(
+        self,
+        get_stats: Callable[[], Any],
+        model_name: str,
+        get_disagg: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        self.kv_tiers: dict[str, float] = {}
+        self.get_disagg = get_disagg
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
+        self.registry.register(_KVCollector(self, model_name))
         labels = ["model_name"]
         self.ttft = Histogram(
             "kvpager:time_to_first_token_seconds",

@@ -102,6 +102,17 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class KVExportRequest(_Request):
+    """POST /v1/kv/export: exactly one of `prompt`, `prompt_token_ids` or `messages` (rendered with the
+    chat template and no generation prompt); the payload holds the KV of its full blocks."""
+
+    model: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    codec: str = "lossless"
+
+
 # -- responses ----------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str
@@ -231,6 +242,10 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class KVImportResponse(BaseModel):
+    num_blocks_imported: int
 
 
 def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from starlette.responses import StreamingResponse
 from kvpager.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kvpager.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvpager.sampling_params import SamplingParams
+from kvpager.server.disagg import PrefillClient
 from kvpager.server.errors import ApiError
 from kvpager.server.metrics import ServerMetrics
 from kvpager.server.protocol import ChatMessage, PromptInput, PromptTokensDetails, TopLogprob, Usage, _SamplingFields
@@ -60,12 +61,23 @@ class Finals:
 
 
 class Serving:
-    """Shared request handling over one AsyncEngine."""
+    """Shared request handling over one AsyncEngine.
 
-    def __init__(self, engine: AsyncEngine, served_names: list[str], metrics: ServerMetrics) -> None:
+    With a `prefill` client (disaggregated decode role), each prompt's KV is fetched from the
+    prefill server and imported before the request is added (see `disagg.py`).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_names: list[str],
+        metrics: ServerMetrics,
+        prefill: PrefillClient | None = None,
+    ) -> None:
         self.engine = engine
         self.served_names = served_names
         self.metrics = metrics
+        self.prefill = prefill
 
     @property
     def tokenizer(self) -> Any:
@@ -175,12 +187,15 @@ class Serving:
         """Add every prompt to the engine; on any failure abort those already added."""
         streams: list[RequestStream] = []
         try:
+            if self.prefill is not None:
+                prefill = self.prefill
+                await asyncio.gather(*(prefill.fetch_into(self.engine, p.token_ids) for p in prompts))
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 streams.append(await self.engine.add_request(prompt.token_ids, p, f"{base_id}-{i}"))
         except BaseException as exc:
             for stream in streams:
                 stream.abort()
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
         return streams
 
     async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -244,7 +259,7 @@ class Serving:
             raise ApiError(499, "client disconnected")
         exc = task.exception()
         if exc is not None:
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
         return finals
 
     def _observe(self, out: RequestOutput) -> None:
@@ -291,7 +306,7 @@ def _top(token: str, logprob: float) -> TopLogprob:
     return TopLogprob(token=token, logprob=max(logprob, -9999.0), bytes=list(token.encode("utf-8")))
 
 
-def _engine_error(exc: BaseException) -> BaseException:
+def engine_error(exc: BaseException) -> BaseException:
     """Map engine-side failures to HTTP errors (other exceptions pass through unchanged)."""
     if isinstance(exc, ApiError):
         return exc
