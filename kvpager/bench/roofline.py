@@ -1,0 +1,228 @@
+"""`kvpager bench roofline`: this machine's limits, and how close real decode steps come to them.
+
+Measured with the torch and thread count the engine uses: memory bandwidth (read: the better of a
+sum over one large fp32 tensor and a dot product over two; copy: STREAM counting, 2 words per element) and fp32 matmul GFLOP/s (square GEMMs).
+For the throughput benchmark's decode steps (batch B at context ~`--context-len`), per step:
+- bytes moved = weights read once (every linear layer + lm_head + norms) + KV read (B x context x
+  bytes per token) + KV written (B x bytes per token);
+- FLOPs = 2 x matmul params per token x B + attention (4 x layers x heads x head_dim x context x B).
+The memory bound is bytes / read bandwidth; the compute bound FLOPs / matmul throughput. Real
+decode steps run through the engine: B requests are prefilled, then `--decode-steps` steps timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpager.bench import report
+from kvpager.config import DTYPE_BYTES, EngineConfig
+from kvpager.kv.kv_manager import cdiv
+from kvpager.model.spec import ModelSpec, load_model_spec
+from kvpager.sampling_params import SamplingParams
+
+TARGETS = {"batch1_memory_fraction": 0.70, "largest_batch_compute_fraction": 0.50}
+
+
+def best_seconds(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_machine(bandwidth_mib: int, gemm_sizes: Sequence[int], reps: int) -> dict[str, Any]:
+    """Read and copy bandwidth (GB/s) and the best fp32 GEMM GFLOP/s, at torch's current threads."""
+    read, copy = measure_bandwidth(bandwidth_mib * 2**20 // 4, reps)
+    gemm = {str(m): measure_gemm(m, reps) for m in gemm_sizes}
+    return {"read_gbs": read, "copy_gbs": copy, "gemm_gflops": max(gemm.values()), "gemm_by_size": gemm}
+
+
+def measure_bandwidth(n: int, reps: int) -> tuple[float, float]:
+    """(read GB/s, copy GB/s) over fp32 tensors of `n` elements. Read is the better of a sum over one
+    tensor and a dot product streaming two; copy counts 2 words per element (STREAM)."""
+    import torch
+
+    a, b = torch.rand(n), torch.rand(n)
+    read = max(
+        n * 4 / best_seconds(lambda: a.sum(), reps) / 1e9,
+        2 * n * 4 / best_seconds(lambda: torch.dot(a, b), reps) / 1e9,
+    )
+    copy = 2 * n * 4 / best_seconds(lambda: b.copy_(a), reps) / 1e9
+    return read, copy
+
+
+def measure_gemm(m: int, reps: int) -> float:
+    """fp32 GFLOP/s of an m x m x m matmul."""
+    import torch
+
+    x, y, z = torch.randn(m, m), torch.randn(m, m), torch.empty(m, m)
+    return 2 * m**3 / best_seconds(lambda: torch.mm(x, y, out=z), reps) / 1e9
+
+
+def step_cost(spec: ModelSpec, batch: int, context: float, dtype_bytes: int = 4) -> dict[str, float]:
+    """Bytes moved and FLOPs of one decode step of `batch` sequences at mean context `context`."""
+    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    linear_per_layer = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * i
+    matmul_params = spec.num_layers * linear_per_layer + v * h  # + lm_head (tied or not, it is read)
+    norms = (2 * spec.num_layers + 1) * h
+    kv_per_token = spec.kv_shape(dtype_bytes).bytes_per_token
+    weight_bytes = (matmul_params + norms) * dtype_bytes
+    kv_read = batch * context * kv_per_token
+    kv_write = batch * kv_per_token
+    attn_flops = 4 * spec.num_layers * spec.num_heads * spec.head_dim * context * batch
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_read_bytes": kv_read,
+        "kv_write_bytes": kv_write,
+        "bytes": weight_bytes + kv_read + kv_write,
+        "matmul_params_per_token": matmul_params,
+        "flops": 2 * matmul_params * batch + attn_flops,
+    }
+
+
+def time_decode_steps(engine: Any, batch: int, context_len: int, steps: int, seed: int) -> float:
+    """Prefill `batch` distinct prompts of `context_len`, then return the mean seconds per decode step."""
+    rng = random.Random(seed)
+    vocab = engine.model_spec.vocab_size
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0)
+    ids = [f"roof-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(1, vocab) for _ in range(context_len)], params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked) until every request has its first token
+        started.update(o.request_id for o in engine.step())
+    engine.step()  # one decode step untimed (warm-up at this batch shape)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = (time.perf_counter() - start) / steps
+    for rid in ids:
+        engine.abort_request(rid)
+    return seconds
+
+
+def analyse(spec: ModelSpec, machine: dict[str, float], batch: int, context: float, seconds: float) -> dict[str, Any]:
+    cost = step_cost(spec, batch, context)
+    t_mem = cost["bytes"] / (machine["read_gbs"] * 1e9)
+    t_comp = cost["flops"] / (machine["gemm_gflops"] * 1e9)
+    bound_tok_s = batch / max(t_mem, t_comp)
+    achieved_tok_s = batch / seconds
+    return {
+        "batch": batch,
+        "mean_context": context,
+        **cost,
+        "memory_bound_tok_s": batch / t_mem,
+        "compute_bound_tok_s": batch / t_comp,
+        "bound": "memory" if t_mem >= t_comp else "compute",
+        "roofline_tok_s": bound_tok_s,
+        "seconds_per_step": seconds,
+        "achieved_tok_s": achieved_tok_s,
+        "achieved_gbs": cost["bytes"] / seconds / 1e9,
+        "achieved_gflops": cost["flops"] / seconds / 1e9,
+        "fraction_of_memory_roofline": t_mem / seconds,
+        "fraction_of_compute_roofline": t_comp / seconds,
+        "fraction_of_roofline": achieved_tok_s / bound_tok_s,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpager bench roofline", description=__doc__)
+    report.add_common_args(p)
+    p.add_argument("--batch-sizes", default="1,64", help="decode batch sizes to time (the last is 'largest')")
+    p.add_argument("--context-len", type=int, default=256, help="prompt length before the timed decode steps")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="tensor size for the bandwidth test")
+    p.add_argument("--gemm-sizes", default="1024,2048")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    from kvpager.engine import Engine
+
+    batches = [int(b) for b in args.batch_sizes.split(",") if b]
+    if not batches or min(batches) < 1 or args.decode_steps < 1 or args.context_len < 1:
+        raise ValueError("--batch-sizes, --decode-steps and --context-len must be positive")
+    report.set_threads(args.num_threads)
+    machine = measure_machine(args.bandwidth_mib, [int(m) for m in args.gemm_sizes.split(",")], args.reps)
+    report.log(args, f"machine: {machine['read_gbs']:.1f} GB/s read, {machine['gemm_gflops']:.0f} GFLOP/s fp32")
+    choice = report.choose_model(args)
+    spec = load_model_spec(choice.model_dir)
+    tokens_per_seq = args.context_len + args.decode_steps + 8
+    blocks = max(batches) * cdiv(tokens_per_seq, 16)
+    config = EngineConfig(
+        model=choice.model_dir,
+        load_format=choice.load_format,
+        kv_cache_memory=blocks * spec.kv_shape(DTYPE_BYTES["float32"]).bytes_per_block(16),
+        max_num_seqs=max(batches),
+        num_threads=args.num_threads,
+        enable_prefix_caching=False,
+    )
+    engine = Engine(config)
+    rows = []
+    for batch in batches:
+        report.log(args, f"batch {batch}: prefill {args.context_len} x {batch}, then {args.decode_steps} steps ...")
+        seconds = time_decode_steps(engine, batch, args.context_len, args.decode_steps, args.seed + batch)
+        context = args.context_len + 1 + args.decode_steps / 2
+        rows.append(analyse(spec, machine, batch, context, seconds))
+    return build_result(args, argv, choice, machine, rows)
+
+
+def build_result(
+    args: argparse.Namespace, argv: Sequence[str], choice: report.ModelChoice, machine: dict[str, Any], rows: list
+) -> dict[str, Any]:
+    first, last = rows[0], rows[-1]
+    return {
+        "bench": "roofline",
+        "command": report.command_line("roofline", argv),
+        "machine": report.machine_info(),
+        "model": {"dir": choice.model_dir, "load_format": choice.load_format, "dummy_smollm2": choice.is_default_dummy},
+        "measured": machine,
+        "decode": rows,
+        "targets": {
+            "batch1_memory_fraction": first["fraction_of_memory_roofline"],
+            "batch1_ge_70pct_of_memory_roofline": first["batch"] == 1
+            and first["fraction_of_memory_roofline"] >= TARGETS["batch1_memory_fraction"],
+            "largest_batch_compute_fraction": last["fraction_of_compute_roofline"],
+            "largest_batch_ge_50pct_of_matmul_roofline": last["fraction_of_compute_roofline"]
+            >= TARGETS["largest_batch_compute_fraction"],
+        },
+        "peak_rss_bytes": report.peak_rss_bytes(),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    m = result["measured"]
+    head = (
+        f"measured: memory read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, "
+        f"fp32 GEMM {m['gemm_gflops']:.0f} GFLOP/s (best of sizes {', '.join(m['gemm_by_size'])})"
+    )
+    headers = ["batch", "context", "MB/step", "GFLOP/step", "mem-bound tok/s", "compute-bound tok/s", "bound"]
+    headers += ["achieved tok/s", "% of mem roofline", "% of matmul roofline", "% of bound"]
+    rows = [
+        [r["batch"], r["mean_context"], r["bytes"] / 1e6, r["flops"] / 1e9, r["memory_bound_tok_s"]]
+        + [r["compute_bound_tok_s"], r["bound"], r["achieved_tok_s"], f"{r['fraction_of_memory_roofline']:.1%}"]
+        + [f"{r['fraction_of_compute_roofline']:.1%}", f"{r['fraction_of_roofline']:.1%}"]
+        for r in result["decode"]
+    ]
+    t = result["targets"]
+    tail = (
+        f"targets: batch-1 decode >= 70% of memory roofline: {t['batch1_memory_fraction']:.1%}; "
+        f"largest batch >= 50% of matmul roofline: {t['largest_batch_compute_fraction']:.1%}"
+    )
+    return "\n".join([head, report.markdown_table(headers, rows), tail])
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    result = run(args, argv)
+    report.emit(result, render(result), args)
+    return 0

@@ -1,0 +1,139 @@
+"""`kvpager bench …` commands run on a tiny model and emit well-formed results; the paging study's
+three allocation modes account for every token they store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvpager.bench.allocators import FirstFitAllocator, PagedAllocator, SlotAllocator
+from kvpager.bench.cli import main as bench_main
+from kvpager.bench.dummy_models import make_dummy_model_dir
+from kvpager.bench.memory import make_allocators, make_trace, simulate
+
+torch.set_num_threads(1)
+
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 384,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dummy_model_dir(tmp_path_factory.mktemp("bench-tiny"), **TINY)
+
+
+def run_bench(capsys: pytest.CaptureFixture[str], tiny_model: Path, *argv: str) -> dict[str, Any]:
+    model = ["--model", str(tiny_model), "--load-format", "dummy", "--num-threads", "1", "--json"]
+    assert bench_main([*argv, *model]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["machine"]["cores"] >= 1 and result["machine"]["threads"] == 1
+    assert result["command"].startswith(f"kvpager bench {argv[0]} ")
+    assert result["peak_rss_bytes"] > 0
+    return result
+
+
+def test_throughput_bench_reports_both_modes_and_full_utilisation(capsys, tiny_model):
+    r = run_bench(
+        capsys, tiny_model, "throughput", "--num-requests", "6", "--input-len", "32", "--output-len", "5",
+        "--sequential-requests", "2",
+    )  # fmt: skip
+    assert r["sequential"]["output_tokens"] == 2 * 5 and r["batched"]["output_tokens"] == 6 * 5
+    assert r["sequential"]["output_tokens_per_s"] > 0 and r["speedup"] > 0
+    assert r["batched"]["max_running"] == 6
+    # 32 + up to 4 stored tokens in blocks of 16: at least 32/48 of the owned slots hold tokens
+    assert 32 / 48 <= r["kv_utilisation"]["mean"] <= 1.0
+    assert r["owned_blocks_after"] == 0 and r["num_preemptions"] == 0
+    assert set(r["targets"]) == {"speedup_ge_4x_issue2", "speedup_ge_8x_issue6", "kv_utilisation_ge_95pct"}
+
+
+def test_prefix_bench_hits_the_shared_prefix(capsys, tiny_model):
+    r = run_bench(capsys, tiny_model, "prefix", "--prefix-len", "64", "--suffix-len", "4", "--repetitions", "3")
+    assert len(r["cold"]["all_s"]) == len(r["hit"]["all_s"]) == 3
+    assert r["cached_tokens_per_hit"] == 64  # four full blocks of the shared prefix
+    assert r["hit"]["median_s"] <= r["hit"]["p90_s"] <= r["hit"]["max_s"]
+    assert r["speedup_median"] == pytest.approx(r["cold"]["median_s"] / r["hit"]["median_s"])
+
+
+def test_roofline_bench_reports_bounds_per_batch(capsys, tiny_model):
+    r = run_bench(
+        capsys, tiny_model, "roofline", "--batch-sizes", "1,3", "--context-len", "20", "--decode-steps", "2",
+        "--bandwidth-mib", "8", "--gemm-sizes", "64", "--reps", "1",
+    )  # fmt: skip
+    assert r["measured"]["read_gbs"] > 0 and r["measured"]["gemm_gflops"] > 0
+    one, three = r["decode"]
+    assert (one["batch"], three["batch"]) == (1, 3)
+    assert three["kv_read_bytes"] == pytest.approx(3 * one["kv_read_bytes"])
+    assert three["weight_bytes"] == one["weight_bytes"]
+    assert three["flops"] > 2.9 * one["flops"]
+    for row in (one, three):
+        assert 0 < row["achieved_tok_s"] and 0 < row["fraction_of_roofline"]
+        assert row["roofline_tok_s"] == pytest.approx(min(row["memory_bound_tok_s"], row["compute_bound_tok_s"]))
+
+
+def test_memory_bench_runs_every_mode_and_the_real_engine(capsys, tiny_model, tmp_path):
+    r = run_bench(
+        capsys, tiny_model, "memory", "--num-requests", "40", "--max-model-len", "256", "--budget-tokens", "1024",
+        "--prompt-median", "40", "--output-median", "20", "--real-requests", "4", "--real-input-len", "8",
+        "--real-output-len", "3", "--json-out", str(tmp_path / "memory.json"),
+    )  # fmt: skip
+    assert [m["mode"] for m in r["modes"]][:3] == [
+        "contiguous max-len slots",
+        "contiguous exact-size first-fit",
+        "paged, block 16",
+    ]
+    assert all(m["num_completed"] + m["num_refused"] == 40 for m in r["modes"])
+    slots, paged = r["modes"][0], r["modes"][2]
+    assert slots["concurrency_max"] <= 1024 // 256
+    assert paged["utilisation_mean"] > slots["utilisation_mean"]
+    assert [row["output_tokens"] for row in r["real"]] == [4 * 3] * 3
+    assert json.loads((tmp_path / "memory.json").read_text())["modes"] == r["modes"]
+
+
+@pytest.mark.parametrize("block_sizes", [(16,), (1, 8, 32)])
+def test_paging_study_modes_account_for_every_token(block_sizes):
+    trace = make_trace(120, seed=3, arrival_rate=0.5, max_model_len=300, prompt_median=60, output_median=30)
+    for allocator in make_allocators(2400, 300, block_sizes):
+        result = simulate(trace, allocator, check=True)  # checks stored == live lengths, no overlap, every step
+        assert result.num_completed == len(trace)
+        assert allocator.stored_tokens() == 0 and allocator.reserved_tokens() == 0
+        assert all(0.0 <= u <= 1.0 for u in result.utilisation)
+
+
+def test_first_fit_fragments_and_coalesces():
+    arena = FirstFitAllocator(100)
+    assert arena.reserve(1, 10, 30) and arena.reserve(2, 10, 30) and arena.reserve(3, 10, 30)
+    arena.release(2)
+    assert not arena.reserve(4, 10, 40)  # 40 tokens free (30 + 10) but no hole of 40
+    assert arena.num_fragmentation_refusals == 1
+    arena.release(3)  # merges 30 + 30 + 10 into one hole of 70
+    assert arena.reserve(4, 10, 70)
+    arena.check()
+
+
+def test_allocator_check_catches_overlap_and_miscount():
+    slots = SlotAllocator(1000, 100)
+    assert slots.reserve(1, 5, 50)
+    slots._live[2] = slots._live[1].__class__(slots._live[1].start + 10, 100, 0)  # forged overlap
+    with pytest.raises(ValueError, match="overlaps"):
+        slots.check()
+    paged = PagedAllocator(64, 16)
+    assert paged.reserve(1, 20, 40) and paged.grow(1, 33)
+    assert paged.reserved_tokens() == 48 and paged.stored_tokens() == 33
+    paged.check()
+    assert not paged.reserve(2, 20, 40)  # one block left, two needed
+
+
+def test_bench_cli_rejects_unknown_bench(capsys):
+    assert bench_main(["nope"]) == 2
+    assert "unknown bench" in capsys.readouterr().err
