@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvpager.bench import report
+
 
 @dataclass(frozen=True)
 class RequestResult:
@@ -54,14 +56,8 @@ class BenchResult:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values (a run with no successes)."""
+    return report.percentile(values, q) if values else float("nan")
 
 
 def make_prompts(num: int, input_len: int, mode: str, vocab_size: int, seed: int) -> list[Any]:
