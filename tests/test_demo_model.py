@@ -154,3 +154,20 @@ def test_held_out_passage_perplexity_is_far_below_uniform(model: Any, tokenizer:
         loss = model(input_ids=ids, labels=ids).loss.item()
     perplexity = math.exp(loss)
     assert perplexity < MAX_HELD_OUT_PERPLEXITY < 0.1 * len(tokenizer)
+
+
+def test_kvpager_generate_on_the_demo_model_continues_like_the_corpus_and_matches_transformers(
+    model: Any, tokenizer: Any
+) -> None:
+    from kvpager.llm import LLM
+    from kvpager.sampling_params import SamplingParams
+
+    prompt = "And the LORD spake unto Moses, saying,"
+    llm = LLM(kv_cache_memory=16 << 20)  # no model: the bundled demo model
+    ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    assert ours.token_ids == ref[: len(ours.token_ids)]
+    words = set(ours.text.replace(",", " ").replace(";", " ").replace(".", " ").split())
+    assert len(words & {"unto", "children", "Israel", "LORD", "say", "saith", "them", "the"}) >= 3, ours.text
