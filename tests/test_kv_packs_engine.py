@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import run_greedy
 
 from kvpager.config import EngineConfig
 from kvpager.engine import Engine
@@ -42,12 +43,7 @@ def config(checkpoint: Path, num_blocks: int = 64, **kv: object) -> EngineConfig
 
 
 def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tuple[list[int], int]:
-    engine.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                result = (out.outputs[0].token_ids, out.num_cached_tokens)
-    return result
+    return run_greedy(engine, prompt, max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_helpers import run_greedy
 
 from kvpager.config import KV_CODECS, EngineConfig
 from kvpager.engine import Engine
 from kvpager.engine_args import add_engine_args, config_from_args
 from kvpager.kv.codec import available_codecs
 from kvpager.kv.hashing import hash_prompt_blocks
-from kvpager.sampling_params import SamplingParams
 
 BLOCK = 4
 BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 2 KV heads, head_dim 16, fp32
@@ -44,14 +44,8 @@ def config(checkpoint: Path, num_blocks: int = 24, **kv: object) -> EngineConfig
     return EngineConfig(model=str(checkpoint), **fields)
 
 
-def greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
-    """(generated token ids, num_cached_tokens) of one greedy request run alone."""
-    engine.add_request("q", prompt, SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                result = (out.outputs[0].token_ids, out.num_cached_tokens)
-    return result
+def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tuple[list[int], int]:
+    return run_greedy(engine, prompt, max_tokens)
 
 
 @pytest.fixture(scope="module")
