@@ -16,6 +16,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KERNEL_BACKENDS = ("auto", "torch", "cpu")
 # NOTE: must equal kvpager.kv.codec.available_codecs() (kept here so config stays torch-free; a test pins it).
 KV_CODECS = tuple(
     f"{base}{suffix}" for suffix in ("", "+zstd") for base in ("lossless", "fp16", "bf16", "int8", "int4")
@@ -53,6 +54,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
+    kernel_backend: str = "auto"  # "auto" | "torch" | "cpu": fused C++ kernels for float32 on CPU (model/ops.py)
     host_kv_cache_memory: int | None = None  # bytes of host RAM for the host KV tier; None: no host tier
     kv_cache_dir: str | None = None  # persistent disk KV tier; None: no disk tier
     kv_cache_dir_max_bytes: int | None = None  # None: DEFAULT_KV_CACHE_DIR_MAX_BYTES
@@ -68,6 +70,10 @@ class EngineConfig:
         _check(
             self.kv_cache_dtype == "auto" or self.kv_cache_dtype in ("float32", "float16", "bfloat16"),
             f"kv_cache_dtype must be 'auto', float32, float16 or bfloat16, got {self.kv_cache_dtype!r}",
+        )
+        _check(
+            self.kernel_backend in KERNEL_BACKENDS,
+            f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}",
         )
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _check(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvpager.config import KV_CODECS, EngineConfig
+from kvpager.config import KERNEL_BACKENDS, KV_CODECS, EngineConfig
 
 _UNITS = {
     "": 1,
@@ -61,6 +61,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument(
+        "--kernel-backend",
+        choices=KERNEL_BACKENDS,
+        default="auto",
+        help="auto: kvpager's fused C++ kernels for float32 on CPU (built once with the system compiler), "
+        "torch otherwise; torch: plain torch ops; cpu: the kernels or an error",
+    )
     add_kv_storage_args(parser)
 
 
@@ -100,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        kernel_backend=args.kernel_backend,
         host_kv_cache_memory=args.host_kv_cache_memory,
         kv_cache_dir=args.kv_cache_dir,
         kv_cache_dir_max_bytes=args.kv_cache_dir_max_bytes,

@@ -62,7 +62,14 @@ def load(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = TORCH_DTYPES[config.dtype]
     kv_dtype = TORCH_DTYPES[config.resolved_kv_cache_dtype]
-    model = load_model(str(model_dir), dtype=dtype, device=device, load_format=config.load_format)
+    model = load_model(
+        str(model_dir),
+        dtype=dtype,
+        device=device,
+        load_format=config.load_format,
+        kernel_backend=config.kernel_backend,
+        kv_dtype=kv_dtype,
+    )
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = kv_budget(config, device, weight_bytes)

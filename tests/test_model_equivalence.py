@@ -52,18 +52,25 @@ CASES: dict[str, tuple[Callable[..., Path], dict[str, Any]]] = {
     "qwen3_qk_norm": (make_qwen3_checkpoint, {}),
     "mistral": (make_mistral_checkpoint, {}),
     "mistral_window_6": (make_mistral_checkpoint, {"sliding_window": 6}),
+    # head_dim 64 and 128 take the kernels' AVX-512 decode attention (other head dims: the generic loop)
+    "llama_head_dim_64": (make_llama_checkpoint, {"hidden_size": 128, "head_dim": 64}),
+    "qwen3_head_dim_128": (
+        make_qwen3_checkpoint,
+        {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128},
+    ),
 }
+KERNEL_BACKENDS = {"auto": "cpu", "torch": "torch"}  # load_model's kernel_backend -> the ops it picks here
 
 
 class Pair:
-    """A checkpoint loaded twice: by kvpager and by transformers (the oracle)."""
+    """A checkpoint loaded twice: by kvpager (with `kernel_backend`) and by transformers (the oracle)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kernel_backend: str = "auto", hf: Any = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.path = path
-        self.model = load_model(path, dtype=torch.float32, device="cpu")
-        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = load_model(path, dtype=torch.float32, device="cpu", kernel_backend=kernel_backend)
+        self.hf = hf if hf is not None else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.spec = self.model.spec
 
     def reference(self, token_ids: list[int]) -> torch.Tensor:
@@ -107,14 +114,18 @@ class PagedHarness:
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pair]:
-    cache: dict[str, Pair] = {}
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pair]:
+    cache: dict[tuple[str, str], Pair] = {}
+    paths: dict[str, Path] = {}
 
-    def get(case: str) -> Pair:
-        if case not in cache:
-            make, overrides = CASES[case]
-            cache[case] = Pair(make(tmp_path_factory.mktemp(case), seed=len(cache), **overrides))
-        return cache[case]
+    def get(case: str, kernel_backend: str = "auto") -> Pair:
+        if (case, kernel_backend) not in cache:
+            if case not in paths:
+                make, overrides = CASES[case]
+                paths[case] = make(tmp_path_factory.mktemp(case), seed=len(paths), **overrides)
+            loaded = next((p for (c, _), p in cache.items() if c == case), None)  # reuse its transformers model
+            cache[case, kernel_backend] = Pair(paths[case], kernel_backend, loaded.hf if loaded else None)
+        return cache[case, kernel_backend]
 
     return get
 
@@ -155,9 +166,13 @@ def test_chunked_prefill_over_successive_forwards_matches_transformers(pairs: Ca
     _assert_close(torch.cat(got), pair.reference(long))
 
 
-@pytest.mark.parametrize("case", ["llama_gqa", "qwen2_bias_tied", "llama_mqa", "mistral_window_6"])
-def test_decode_steps_mixed_with_prefill_chunk_match_transformers(pairs: Callable[[str], Pair], case: str) -> None:
-    pair = pairs(case)
+@pytest.mark.parametrize("kernel_backend", list(KERNEL_BACKENDS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_steps_mixed_with_prefill_chunk_match_transformers(
+    pairs: Callable[..., Pair], case: str, kernel_backend: str
+) -> None:
+    pair = pairs(case, kernel_backend)
+    assert pair.model.ops.name == KERNEL_BACKENDS[kernel_backend]
     a, b, c = _prompts(pair.spec.vocab_size, [7, 11, 14], seed=2)
     harness = PagedHarness(pair.model, block_size=5)
     harness.step([("a", a[:6]), ("b", b[:10])])

@@ -32,6 +32,7 @@ class DecodeBatch:
     token_indices: torch.Tensor  # [D] int64: rows of the flattened batch
     block_tables: torch.Tensor  # [D, max_blocks] int64: blocks covering the longest context
     key_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool: True = attend
+    seq_lens: torch.Tensor  # [D] int64: context length of each decode sequence (this token included)
     is_leading: bool  # the decode tokens are rows 0..D-1 (slice instead of gather)
 
 
@@ -176,6 +177,7 @@ def _decode_batch(
         token_indices=token_indices.to(device),
         block_tables=tables[idx, :num_blocks].contiguous().to(device),
         key_mask=mask[:, None, None, :].to(device),
+        seq_lens=lens.contiguous().to(device),
         is_leading=decode_ids == list(range(len(decode_ids))),
     )
 
@@ -212,23 +214,38 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attend q [T, num_heads, head_dim] over the cached context of each sequence -> [T, num_heads, head_dim]."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    attend_decodes(q, kv_layer, meta, scale, out)
+    attend_prefills(q, kv_layer, meta, scale, out)
+    return out
+
+
+def attend_decodes(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """Write the decode rows (query_len == 1) of `out` [T, H, hd]: one SDPA over gathered, padded blocks."""
     dec = meta.decode
-    if dec is not None:
-        num_dec = dec.token_indices.shape[0]
-        q_dec = q[:num_dec] if dec.is_leading else q.index_select(0, dec.token_indices)
-        k, v = _gather_kv(kv_layer, dec.block_tables, q.dtype)
-        o = _attend_decode(q_dec, k, v, dec.key_mask, scale)
-        if dec.is_leading:
-            out[:num_dec] = o
-        else:
-            out.index_copy_(0, dec.token_indices, o)
+    if dec is None:
+        return
+    num_dec = dec.token_indices.shape[0]
+    q_dec = q[:num_dec] if dec.is_leading else q.index_select(0, dec.token_indices)
+    k, v = _gather_kv(kv_layer, dec.block_tables, q.dtype)
+    o = _attend_decode(q_dec, k, v, dec.key_mask, scale)
+    if dec.is_leading:
+        out[:num_dec] = o
+    else:
+        out.index_copy_(0, dec.token_indices, o)
+
+
+def attend_prefills(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """Write the prefill rows (query_len > 1) of `out` [T, H, hd]: one causal SDPA per chunk."""
     for chunk in meta.prefills:
         q_p = q[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
         k, v = _gather_kv(kv_layer, chunk.block_ids.unsqueeze(0), q.dtype)
         o = _attend(q_p, k, v, chunk.mask, scale)
         out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
-    return out
 
 
 def _gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,17 +2,19 @@
 
 Weights are stored fused: q/k/v in one linear (`qkv_proj`), gate/up in one (`gate_up_proj`); the
 loader fuses the checkpoint's tensors. The forward takes a flattened batch of tokens from many
-sequences and reads/writes the cache through `AttentionMetadata` (see attention.py).
+sequences and reads/writes the cache through `AttentionMetadata` (see attention.py). The per-layer
+math (norms, RoPE + cache write, attention, SiLU·up) goes through a `TorchOps` (ops.py): torch
+itself, or kvpager's fused C++ kernels on CPU; `finish_loading` chooses.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvpager.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvpager.model.rope import RopeCache, apply_rope
+from kvpager.model.attention import AttentionMetadata
+from kvpager.model.ops import TorchOps
+from kvpager.model.rope import RopeCache
 from kvpager.model.spec import ModelSpec
 
 
@@ -25,12 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # NOTE: one fused op instead of six; same math in fp32 (measured: identical to 1e-7).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return TorchOps().rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -47,25 +44,26 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: TorchOps,
     ) -> torch.Tensor:
         # x: [T, hidden]; kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))  # NOTE: Qwen3 norms before RoPE
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:
-            # q and k sit side by side in the fused output: rotate all their heads in one pass.
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q_norm = self.q_norm.weight if self.q_norm is not None else None  # NOTE: Qwen3 norms q/k before RoPE
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
         # NOTE: write every new token first, then read: a sequence may use blocks written this step.
-        write_kv(kv_layer, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_layer, meta, self.scale)  # [T, H, hd]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q = ops.rope_and_cache(
+            qkv, cos, sin, kv_layer, meta.slot_mapping, self.num_heads, self.num_kv_heads, q_norm, k_norm, eps
+        )
+        out = ops.attention(q, kv_layer, meta, self.scale)  # [T, H, hd]
+        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -77,9 +75,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -91,10 +89,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, residual stream before it); their sum is the layer's
+        output. NOTE: carrying the residual apart lets the add fuse into the next norm (one kernel)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn.forward(h, cos, sin, kv_layer, meta, ops)
+        h, residual = ops.add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp.forward(h, ops), residual
 
 
 class CausalLM(nn.Module):
@@ -112,13 +125,16 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rope: RopeCache | None = None
+        self.ops: TorchOps = TorchOps()
         self.requires_grad_(False)
 
-    def finish_loading(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Tie lm_head when asked and build the RoPE table; call after weights are assigned."""
+    def finish_loading(self, dtype: torch.dtype, device: torch.device, ops: TorchOps | None = None) -> None:
+        """Tie lm_head when asked, build the RoPE table, set the ops (default: torch); call after weights
+        are assigned."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RopeCache.build(self.spec, dtype, device)
+        self.ops = ops if ops is not None else TorchOps()
         self.eval()
 
     def forward(
@@ -130,13 +146,16 @@ class CausalLM(nn.Module):
         self._check_window(attn_metadata)
         cos, sin = self.rope.lookup(positions)  # each [T, 1, head_dim // 2]
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], attn_metadata)
-        return self.norm(x)
+            # NOTE: .forward, not __call__: module hooks are never used here and the call costs ~4 us.
+            x, residual = layer.forward(x, residual, cos, sin, kv_cache[i], attn_metadata, self.ops)
+        assert residual is not None  # num_layers >= 1
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        return self.ops.linear(hidden, self.lm_head.weight, None).float()
 
     def _check_window(self, meta: AttentionMetadata) -> None:
         window = self.spec.sliding_window

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kvpager.model.llama import CausalLM
+from kvpager.model.ops import select_ops
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -22,9 +23,19 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto", seed: int = 0
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+    kernel_backend: str = "auto",
+    kv_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
+
+    kernel_backend: "auto" (C++ kernels for float32 on CPU when they build, else torch), "torch" or
+    "cpu" (see kvpager.model.ops.select_ops); kv_dtype: the KV cache's dtype (default: `dtype`).
 
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
@@ -44,7 +55,7 @@ def load_model(
         state = _fuse(spec, _read_checkpoint(Path(model_dir), spec), dtype, device)
     _check_state(state, expected, Path(model_dir))
     model.load_state_dict(state, strict=False, assign=True)
-    model.finish_loading(dtype, device)
+    model.finish_loading(dtype, device, select_ops(kernel_backend, dtype, kv_dtype or dtype, device))
     return model
 
 

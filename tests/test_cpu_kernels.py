@@ -1,0 +1,316 @@
+"""The C++ CPU kernels (CpuKernelOps) equal the torch reference (TorchOps) on random float32 inputs.
+
+Every comparison allows 1e-5 of the expected values' magnitude: far below what a wrong head mapping,
+block, window or scale produces. `SpyOps` counts kernel calls, so a test also knows the kernel ran
+(and did not silently fall back to torch) or that it fell back when it must.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpager.kernels.build import KernelLibrary, load_cpu_kernels
+from kvpager.model.attention import AttentionMetadata, build_attention_metadata
+from kvpager.model.ops import DECODE_PARTITION, SMALL_BATCH_LINEAR, CpuKernelOps, TorchOps, select_ops
+
+REL = 1e-5
+REF = TorchOps()
+KERNELS = ("_linear_small", "_rms_norm", "_add_rms_norm", "_silu_mul", "_rope_and_cache", "_paged_decode")
+
+
+class SpyOps(CpuKernelOps):
+    """CpuKernelOps that counts the calls of each kernel (by attribute name, e.g. "_paged_decode")."""
+
+    def __init__(self, kernels: KernelLibrary) -> None:
+        super().__init__(kernels)
+        self.calls: Counter[str] = Counter()
+        for name in KERNELS:
+            setattr(self, name, self._counted(name, getattr(self, name)))
+
+    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            self.calls[name] += 1
+            return fn(*args)
+
+        return call
+
+
+@pytest.fixture
+def kops() -> SpyOps:
+    return SpyOps(load_cpu_kernels())  # NOTE: builds once per machine (cached), then once per process
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Run under 1 and 2 torch (= OpenMP) threads; the kernels parallelise above a work threshold."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.isfinite(actual).all(), "non-finite values"
+    tol = rel * max(1.0, expected.abs().max().item())
+    err = (actual - expected).abs().max().item()
+    assert err <= tol, f"max |diff| {err:.2e} > {tol:.2e}"
+
+
+# --- linear, norms, SiLU --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("in_features,out_features", [(37, 7), (576, 130), (16, 4)])
+@pytest.mark.parametrize("rows", range(1, SMALL_BATCH_LINEAR + 2))
+def test_linear_matches_torch_for_small_batches_and_falls_back_above(
+    kops: SpyOps, rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    x, w = _randn(rows, in_features, seed=rows), _randn(out_features, in_features, seed=100)
+    b = _randn(out_features, seed=200) if bias else None
+    got = kops.linear(x, w, b)
+    _assert_close(got, F.linear(x, w, b))
+    assert kops.calls["_linear_small"] == (1 if rows <= SMALL_BATCH_LINEAR else 0)
+
+
+def test_linear_with_a_non_contiguous_weight_or_bias_falls_back_to_torch(kops: SpyOps) -> None:
+    x, w, b = _randn(2, 37, seed=1), _randn(37, 130, seed=2).t(), _randn(260, seed=3)[::2]  # w [130, 37] strided
+    _assert_close(kops.linear(x, w, b), F.linear(x, w, b))
+    assert kops.calls["_linear_small"] == 0
+
+
+def test_linear_with_a_3d_input_falls_back_to_torch(kops: SpyOps) -> None:
+    x, w = _randn(1, 3, 37, seed=1), _randn(130, 37, seed=2)
+    got = kops.linear(x, w, None)
+    assert got.shape == (1, 3, 130)
+    _assert_close(got, F.linear(x, w, None))
+
+
+def test_linear_threaded_path_matches_torch(kops: SpyOps, threads: int) -> None:
+    x, w, b = _randn(5, 576, seed=1), _randn(130, 576, seed=2), _randn(130, seed=3)  # 130 * 576 > 2**15
+    _assert_close(kops.linear(x, w, b), F.linear(x, w, b))
+    assert kops.calls["_linear_small"] == 1
+
+
+@pytest.mark.parametrize(
+    "rows,dim,magnitude", [(1, 64, 3.0), (3, 37, 3.0), (7, 576, 3.0), (64, 600, 3.0), (4, 64, 1e-3)]
+)
+def test_rms_norm_matches_torch(kops: SpyOps, threads: int, rows: int, dim: int, magnitude: float) -> None:
+    # magnitude 1e-3: mean(x^2) ~ eps, so a dropped or misplaced eps shows
+    x, w = _randn(rows, dim, seed=1) * magnitude, 1 + 0.1 * _randn(dim, seed=2)
+    _assert_close(kops.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6))
+    assert kops.calls["_rms_norm"] == 1
+
+
+def test_rms_norm_reads_a_strided_row_view(kops: SpyOps) -> None:
+    base, w = _randn(12, 80, seed=3), 1 + 0.1 * _randn(64, seed=4)
+    for view in (base[:, 5:69], base[::3, 10:74]):  # row strides 80 and 240, inner stride 1
+        _assert_close(kops.rms_norm(view, w, 1e-5), REF.rms_norm(view.contiguous(), w, 1e-5))
+    assert kops.calls["_rms_norm"] == 2
+    transposed = base[:64, :12].t()  # inner stride 80: torch path, same values
+    w12 = w[:12].contiguous()
+    _assert_close(kops.rms_norm(transposed, w12, 1e-5), REF.rms_norm(transposed.contiguous(), w12, 1e-5))
+    assert kops.calls["_rms_norm"] == 2
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 64), (5, 37), (64, 600)])
+def test_add_rms_norm_returns_norm_of_sum_and_the_sum(kops: SpyOps, threads: int, rows: int, dim: int) -> None:
+    x, residual, w = _randn(rows, dim, seed=5), _randn(rows, dim, seed=6), 1 + 0.1 * _randn(dim, seed=7)
+    expected_out, expected_sum = REF.add_rms_norm(x, residual.clone(), w, 1e-6)
+    out, new_residual = kops.add_rms_norm(x, residual.clone(), w, 1e-6)
+    assert torch.equal(new_residual, residual + x)
+    assert torch.equal(new_residual, expected_sum)
+    _assert_close(out, expected_out)
+    assert kops.calls["_add_rms_norm"] == 1
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 37), (4, 130), (8, 4096)])
+def test_silu_mul_matches_torch(kops: SpyOps, threads: int, rows: int, inter: int) -> None:
+    gate_up = _randn(rows, 2 * inter, seed=8) * 4
+    _assert_close(kops.silu_mul(gate_up), REF.silu_mul(gate_up))
+    assert kops.calls["_silu_mul"] == 1
+
+
+def test_silu_mul_large_magnitudes_do_not_overflow_to_nan(kops: SpyOps) -> None:
+    special = torch.tensor([90.0, -90.0, 1000.0, -1000.0, 88.5, -88.5, 0.0, 1e-3, -1e-3, 20.0, -20.0, 3.0])
+    gate = torch.cat([special.repeat(4), special[:5]])[None]  # 53 wide: 3 vectors of 16 and a tail of 5
+    up = _randn(1, gate.shape[1], seed=9)
+    gate_up = torch.cat([gate, up], dim=1)
+    got = kops.silu_mul(gate_up)
+    _assert_close(got, REF.silu_mul(gate_up))
+    for i in (2, 14, 50):  # gate 1000 (vector lanes and tail): silu = 1000
+        assert got[0, i].item() == pytest.approx(1000.0 * up[0, i].item(), rel=1e-6)
+    for i in (3, 15, 51):  # gate -1000: silu ~ -1000 * e^-1000, no NaN from 1 + exp(1000)
+        assert abs(got[0, i].item()) < 1e-30
+
+
+# --- RoPE + cache write ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_rope_and_cache_matches_torch_q_and_cache(
+    kops: SpyOps, threads: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool
+) -> None:
+    num_tokens, num_blocks, block_size = 32, 13, 4
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=10) * 2
+    angles = _randn(num_tokens, 1, head_dim // 2, seed=11) * 3
+    cos, sin = angles.cos(), angles.sin()
+    cache = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=12)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(13))[:num_tokens]
+    norms = (1 + 0.1 * _randn(head_dim, seed=14), 1 + 0.1 * _randn(head_dim, seed=15)) if qk_norm else (None, None)
+    cache_ref, cache_got = cache.clone(), cache.clone()
+    q_ref = REF.rope_and_cache(qkv.clone(), cos, sin, cache_ref, slots, num_heads, num_kv_heads, *norms, 1e-6)
+    q_got = kops.rope_and_cache(qkv.clone(), cos, sin, cache_got, slots, num_heads, num_kv_heads, *norms, 1e-6)
+    assert kops.calls["_rope_and_cache"] == 1
+    _assert_close(q_got, q_ref)
+    flat_got, flat_ref = cache_got.view(2, -1, num_kv_heads, head_dim), cache_ref.view(2, -1, num_kv_heads, head_dim)
+    _assert_close(flat_got[:, slots], flat_ref[:, slots])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat_got[:, untouched], cache.view(2, -1, num_kv_heads, head_dim)[:, untouched])
+    # V is stored as is; K is rotated (so it differs from the raw input)
+    v_in = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    assert torch.equal(flat_got[1, slots], v_in)
+
+
+# --- decode attention -----------------------------------------------------------------------------
+
+
+def _attention_inputs(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None = None,
+    q_padding: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """q [T, H, hd] (a view into rows `q_padding` wider when > 0), a random cache whose unused slots
+    hold random values too, and metadata with block tables drawn from a shuffled pool."""
+    needed = [-(-s // block_size) for s in seq_lens]
+    pool = list(range(sum(needed) + 3))
+    random.Random(seed).shuffle(pool)
+    tables = [[pool.pop() for _ in range(n)] for n in needed]
+    cache = _randn(2, sum(needed) + 3, block_size, num_kv_heads, head_dim, seed=seed + 1)
+    rows = _randn(sum(query_lens), num_heads * head_dim + q_padding, seed=seed + 2) * 2
+    q = rows[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, "cpu", sliding_window=window)
+    return q, cache, meta
+
+
+def _compare_attention(kops: SpyOps, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    scale = q.shape[-1] ** -0.5
+    got = kops.attention(q, cache, meta, scale)
+    _assert_close(got, REF.attention(q, cache, meta, scale))
+    assert kops.calls["_paged_decode"] == 1
+    return got
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)], ids=["group1", "group3", "group8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 24, 32])
+def test_decode_attention_matches_torch(
+    kops: SpyOps, threads: int, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    # contexts of 1 and 3, one within a partition, one over two partitions (merged); the last one
+    # makes positions * heads * head_dim >= 2**18 for head_dim 128 with 8 or 9 heads: the threaded path
+    seq_lens = [1, 3, 40, DECODE_PARTITION + 44]
+    q, cache, meta = _attention_inputs([1] * 4, seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    _compare_attention(kops, q, cache, meta)
+
+
+@pytest.mark.parametrize("head_dim", [128, 24])
+def test_long_context_split_into_partitions_matches_torch(kops: SpyOps, threads: int, head_dim: int) -> None:
+    # 1100 positions = 5 partitions of 256; 1102 * 8 * 128 >= 2**18 takes the threaded path
+    q, cache, meta = _attention_inputs([1, 1], [1100, 2], 8, 2, head_dim, 16, seed=3)
+    _compare_attention(kops, q, cache, meta)
+
+
+@pytest.mark.parametrize("block_size", [5, 32])
+@pytest.mark.parametrize("window", [1, 7, 300])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_sliding_window_decode_matches_torch(
+    kops: SpyOps, threads: int, head_dim: int, window: int, block_size: int
+) -> None:
+    # the window starts inside a block, so the first positions read start at a block offset
+    seq_lens = [1, 5, 20, 700]
+    q, cache, meta = _attention_inputs([1] * 4, seq_lens, 8, 2, head_dim, block_size, window=window, seed=4)
+    got = _compare_attention(kops, q, cache, meta)
+    full_meta = build_attention_metadata([1] * 4, seq_lens, _tables(meta), block_size, "cpu")
+    full = REF.attention(q, cache, full_meta, q.shape[-1] ** -0.5)
+    assert (got[3] - full[3]).abs().max().item() > 100 * REL  # the window changed the long sequence
+
+
+def _tables(meta: AttentionMetadata) -> list[list[int]]:
+    return [
+        row[: -(-s // meta.block_size)] for row, s in zip(meta.block_tables.tolist(), meta.seq_lens_list, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    [([5, 1, 3, 1], [5, 9, 12, 300]), ([1, 1, 4], [7, 260, 4]), ([3, 1], [3, 1])],
+    ids=["decodes_between_prefills", "decodes_leading", "single_decode_last"],
+)
+def test_mixed_batch_decode_and_prefill_rows_match_torch(
+    kops: SpyOps, threads: int, head_dim: int, query_lens: list[int], seq_lens: list[int]
+) -> None:
+    # q is a view into wider rows (as the fused qkv output), so the kernel reads it with a row stride
+    q, cache, meta = _attention_inputs(query_lens, seq_lens, 6, 2, head_dim, 5, q_padding=3 * head_dim, seed=5)
+    assert meta.decode is not None and meta.decode.is_leading == (query_lens[0] == 1)
+    _compare_attention(kops, q, cache, meta)
+
+
+def test_bf16_kv_cache_falls_back_to_torch(kops: SpyOps) -> None:
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    _, cache32, meta = _attention_inputs([3, 1], [3, 9], num_heads, num_kv_heads, head_dim, 4, seed=6)
+    cache = cache32.to(torch.bfloat16)
+    qkv = _randn(4, (num_heads + 2 * num_kv_heads) * head_dim, seed=7)
+    angles = _randn(4, 1, head_dim // 2, seed=8)
+    args = (angles.cos(), angles.sin())
+    cache_ref, cache_got = cache.clone(), cache.clone()
+    q_ref = REF.rope_and_cache(
+        qkv.clone(), *args, cache_ref, meta.slot_mapping, num_heads, num_kv_heads, None, None, 0.0
+    )
+    q_got = kops.rope_and_cache(
+        qkv.clone(), *args, cache_got, meta.slot_mapping, num_heads, num_kv_heads, None, None, 0.0
+    )
+    _assert_close(q_got, q_ref)
+    assert torch.equal(cache_got, cache_ref)
+    out = kops.attention(q_got, cache_got, meta, head_dim**-0.5)
+    _assert_close(out, REF.attention(q_ref, cache_ref, meta, head_dim**-0.5))
+    assert kops.calls["_rope_and_cache"] == 0 and kops.calls["_paged_decode"] == 0
+
+
+# --- select_ops -----------------------------------------------------------------------------------
+
+
+def test_select_ops_picks_the_backend_and_rejects_what_the_kernels_cannot_run() -> None:
+    cpu = torch.device("cpu")
+    assert type(select_ops("torch", torch.float32, torch.float32, cpu)) is TorchOps
+    assert type(select_ops("auto", torch.float32, torch.float32, cpu)) is CpuKernelOps
+    assert type(select_ops("cpu", torch.float32, torch.float32, cpu)) is CpuKernelOps
+    assert type(select_ops("auto", torch.bfloat16, torch.bfloat16, cpu)) is TorchOps
+    assert type(select_ops("auto", torch.float32, torch.bfloat16, cpu)) is TorchOps
+    with pytest.raises(ValueError, match=r"'cpu'.*float32.*dtype torch\.bfloat16"):
+        select_ops("cpu", torch.bfloat16, torch.float32, cpu)
+    with pytest.raises(ValueError, match=r"'cpu'.*float32.*KV cache torch\.bfloat16"):
+        select_ops("cpu", torch.float32, torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match=r"kernel_backend must be one of .*'cuda'"):
+        select_ops("cuda", torch.float32, torch.float32, cpu)
