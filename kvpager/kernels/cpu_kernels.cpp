@@ -81,6 +81,25 @@ inline float dot_fixed(const float* __restrict a, const float* __restrict b) {
   return s;
 }
 
+#if defined(__AVX512F__)
+// Lane j of the result = the sum of the 16 lanes of t[j] (a transpose-and-add tree: 45 shuffles and
+// adds for 16 dot products instead of 16 separate horizontal reductions).
+inline __m512 reduce16(const __m512* t) {
+  __m512 x[8], z[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 // acc[m][r] = x[m] . w[r] for MS input rows and 4 weight rows (each of K floats): 4 * MS independent
 // accumulators, each weight vector loaded once for all inputs.
 template <int MS>
@@ -106,12 +125,18 @@ inline void dot_tile(const float* __restrict x, int64_t K, const float* __restri
       a[m][3] = _mm512_fmadd_ps(w3, xv, a[m][3]);
     }
   }
+  if constexpr (MS == 4) {
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce16(&a[0][0]));  // lane m * 4 + r = x[m] . w[r]
+    for (int m = 0; m < 4; ++m)
+      for (int r = 0; r < 4; ++r) acc[m][r] = sums[m * 4 + r];
+  } else {
+    for (int m = 0; m < MS; ++m)
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_reduce_add_ps(a[m][r]);
+  }
   for (int m = 0; m < MS; ++m)
-    for (int r = 0; r < 4; ++r) {
-      float s = _mm512_reduce_add_ps(a[m][r]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * w[r * K + kk];
-      acc[m][r] = s;
-    }
+    for (int r = 0; r < 4; ++r)
+      for (int64_t kk = k; kk < K; ++kk) acc[m][r] += x[m * K + kk] * w[r * K + kk];
 #else
   for (int m = 0; m < MS; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = dot(x + m * K, w + r * K, K);
@@ -196,24 +221,6 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
 // Writes the unnormalised accumulator acc[group][HD], the running max m[group] and sum l[group].
 // HD is a multiple of 16 (one AVX-512 register holds 16 floats).
 
-#if defined(__AVX512F__)
-// Lane j of the result = the sum of the 16 lanes of t[j] (a transpose-and-add tree: 45 shuffles and
-// adds for 16 dot products instead of 16 separate horizontal reductions).
-inline __m512 reduce16(const __m512* t) {
-  __m512 x[8], z[4];
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#endif
 
 // One (sequence, KV head, context partition) of decode attention: online softmax over chunks of
 // at most 16 positions inside a block. Writes the unnormalised accumulator acc[group][HD], the
