@@ -186,3 +186,24 @@ def test_request_too_large_for_the_whole_pool_is_refused(llama_checkpoint: Path)
     engine = Engine(EngineConfig(model=str(llama_checkpoint), block_size=4, kv_cache_memory=10 * 4 * BYTES_PER_TOKEN))
     with pytest.raises(ValueError, match="block"):
         engine.add_request("big", list(range(3, 40)), SamplingParams(max_tokens=8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_both_kernel_backends_give_transformers_greedy_tokens(llama_checkpoint: Path, backend: str) -> None:
+    prompt = make_prompts(1, 384, seed=3)[0][:20]
+    engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, kernel_backend=backend))
+    assert engine.runner.model.ops.name == backend
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.outputs[0].delta_token_ids]
+    assert tokens == hf_greedy(llama_checkpoint, prompt, 12)
+
+
+def test_unknown_kernel_backend_and_kernels_for_bf16_are_refused(llama_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="kernel_backend must be one of"):
+        EngineConfig(model=str(llama_checkpoint), kernel_backend="avx9")
+    with pytest.raises(ValueError, match="float32"):
+        Engine(
+            EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, dtype="bfloat16", kernel_backend="cpu")
+        )

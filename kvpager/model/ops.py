@@ -123,7 +123,7 @@ class CpuKernelOps(TorchOps):
             rows > SMALL_BATCH_LINEAR
             or x.dim() != 2
             or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
-            or not _f32(x, weight, *(() if bias is None else (bias,)))
+            or not (_f32(x) and _f32(weight) and (bias is None or _f32(bias)))
         ):
             return F.linear(x, weight, bias)
         out_features, in_features = weight.shape
@@ -140,7 +140,7 @@ class CpuKernelOps(TorchOps):
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() != 2 or x.stride(1) != 1 or not _f32(x, weight):
+        if x.dim() != 2 or x.stride(1) != 1 or not (_f32(x) and _f32(weight)):
             return super().rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
         self._rms_norm(
@@ -151,7 +151,7 @@ class CpuKernelOps(TorchOps):
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (_f32(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()):
+        if not (_f32(x) and _f32(residual) and _f32(weight) and x.is_contiguous() and residual.is_contiguous()):
             return super().add_rms_norm(x, residual, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
         rows, dim = residual.shape
@@ -180,7 +180,12 @@ class CpuKernelOps(TorchOps):
         eps: float,
     ) -> torch.Tensor:
         if not (
-            _f32(qkv, cos, sin, kv_layer, *(w for w in (q_norm, k_norm) if w is not None))
+            _f32(qkv)
+            and _f32(cos)
+            and _f32(sin)
+            and _f32(kv_layer)
+            and (q_norm is None or _f32(q_norm))
+            and (k_norm is None or _f32(k_norm))
             and slot_mapping.dtype == torch.int64
             and qkv.is_contiguous()
             and cos.is_contiguous()
@@ -216,7 +221,7 @@ class CpuKernelOps(TorchOps):
         dec = meta.decode
         if dec is not None:
             if (
-                not _f32(q, kv_layer)
+                not (_f32(q) and _f32(kv_layer))
                 or q.stride(2) != 1
                 or q.stride(1) != head_dim
                 or not kv_layer.is_contiguous()
@@ -250,9 +255,9 @@ class CpuKernelOps(TorchOps):
         return out
 
 
-def _f32(*tensors: torch.Tensor) -> bool:
-    """Every tensor float32 on the CPU: what the kernels read and write through raw pointers."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+def _f32(t: torch.Tensor) -> bool:
+    """float32 on the CPU: what the kernels read and write through raw pointers."""
+    return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 def select_ops(backend: str, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> TorchOps:
