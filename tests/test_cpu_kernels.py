@@ -314,3 +314,42 @@ def test_select_ops_picks_the_backend_and_rejects_what_the_kernels_cannot_run() 
         select_ops("cpu", torch.float32, torch.bfloat16, cpu)
     with pytest.raises(ValueError, match=r"kernel_backend must be one of .*'cuda'"):
         select_ops("cuda", torch.float32, torch.float32, cpu)
+
+
+def test_build_without_a_compiler_is_a_clear_error(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpager.kernels.build import KernelBuildError, build
+
+    monkeypatch.setenv("KVPAGER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++ or clang++ here
+    with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
+        build()
+
+
+def test_build_caches_the_library_per_source_flags_and_cpu(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpager.kernels.build import build
+
+    monkeypatch.setenv("KVPAGER_CACHE_DIR", str(tmp_path))
+    first = build()
+    assert first.is_file() and first.parent.parent == tmp_path / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert build() == first and first.stat().st_mtime_ns == mtime  # cached: not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left behind
+
+
+def test_auto_falls_back_to_torch_when_the_kernels_cannot_build(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kvpager.model.ops as ops_module
+    from kvpager.kernels.build import KernelBuildError
+
+    def fail() -> KernelLibrary:
+        raise KernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(ops_module, "load_cpu_kernels", fail)
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING"):
+        assert type(select_ops("auto", torch.float32, torch.float32, cpu)) is TorchOps
+    assert "CPU kernels unavailable" in caplog.text
+    with pytest.raises(KernelBuildError):
+        select_ops("cpu", torch.float32, torch.float32, cpu)
