@@ -143,21 +143,23 @@ inline void dot_tile(const float* __restrict x, int64_t K, const float* __restri
 #endif
 }
 
-inline void rms_norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t dim,
-                         float eps) {
+// 1 / sqrt(mean(x^2) + eps) over `dim` floats.
+inline float inv_rms(const float* __restrict x, int64_t dim, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < dim; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  return 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+}
+
+inline void rms_norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t dim,
+                         float eps) {
+  const float inv = inv_rms(x, dim, eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * w[i];
 }
 
 inline void rms_norm_inplace(float* __restrict x, const float* __restrict w, int64_t dim, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < dim; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  const float inv = inv_rms(x, dim, eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) x[i] = x[i] * inv * w[i];
 }
