@@ -353,3 +353,24 @@ def test_auto_falls_back_to_torch_when_the_kernels_cannot_build(
     assert "CPU kernels unavailable" in caplog.text
     with pytest.raises(KernelBuildError):
         select_ops("cpu", torch.float32, torch.float32, cpu)
+
+
+def test_kernels_follow_torch_thread_count_on_the_stepping_thread(kops: SpyOps) -> None:
+    import threading
+
+    max_threads = kops.kernels.fn("kvp_max_threads")
+    seen: list[int] = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+
+        def step_on_another_thread() -> None:
+            kops.begin_step()
+            seen.append(max_threads())
+
+        worker = threading.Thread(target=step_on_another_thread)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [1]

@@ -30,6 +30,8 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
 SIGNATURES: dict[str, tuple[object, ...]] = {
+    "kvp_set_num_threads": (_I,),
+    "kvp_max_threads": (),
     "kvp_linear_small": (_P, _I, _I, _P, _I, _P, _P),
     "kvp_rms_norm": (_P, _I, _P, _P, _I, _I, _I, _F),
     "kvp_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
@@ -123,5 +125,5 @@ def load_cpu_kernels() -> KernelLibrary:
     for name, argtypes in SIGNATURES.items():
         f = getattr(lib, name)
         f.argtypes = list(argtypes)
-        f.restype = None
+        f.restype = ctypes.c_int64 if name == "kvp_max_threads" else None
     return KernelLibrary(path, lib)

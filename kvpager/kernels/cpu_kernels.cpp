@@ -294,6 +294,11 @@ void decode_partition(const float* __restrict q, int64_t group, const float* __r
 
 extern "C" {
 
+// OpenMP's thread count is per calling thread: the engine may step on a thread other than the one
+// that called torch.set_num_threads, so the caller sets it (per step) to torch's.
+void kvp_set_num_threads(int64_t n) { omp_set_num_threads(static_cast<int>(n)); }
+int64_t kvp_max_threads() { return omp_get_max_threads(); }
+
 // out[m, n] = x[m] . w[n] (+ bias[n]) for a few rows x [M, K] and weights w [N, K] (torch's Linear
 // layout). Batch-1 decode is a matrix-vector product bound by reading the weights: each weight row is
 // read once for all M inputs, threads split the rows.

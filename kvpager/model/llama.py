@@ -144,6 +144,7 @@ class CausalLM(nn.Module):
         if self.rope is None:
             raise RuntimeError("CausalLM.finish_loading() must run before forward (load_model does it)")
         self._check_window(attn_metadata)
+        self.ops.begin_step()
         cos, sin = self.rope.lookup(positions)  # each [T, 1, head_dim // 2]
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None

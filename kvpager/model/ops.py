@@ -39,6 +39,9 @@ class TorchOps:
 
     name = "torch"
 
+    def begin_step(self) -> None:
+        """Called once at the start of every forward, on the thread that runs it."""
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] @ weight [out, in].T (+ bias)."""
         return F.linear(x, weight, bias)
@@ -116,6 +119,12 @@ class CpuKernelOps(TorchOps):
         self._silu_mul = kernels.fn("kvp_silu_mul")
         self._rope_and_cache = kernels.fn("kvp_rope_and_cache")
         self._paged_decode = kernels.fn("kvp_paged_decode")
+        self._set_num_threads = kernels.fn("kvp_set_num_threads")
+
+    def begin_step(self) -> None:
+        # NOTE: OpenMP's thread count belongs to the calling thread; follow torch's on whichever
+        # thread steps the engine (the server steps on its own thread).
+        self._set_num_threads(torch.get_num_threads())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
