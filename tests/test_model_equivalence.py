@@ -188,6 +188,34 @@ def test_decode_steps_mixed_with_prefill_chunk_match_transformers(
     _assert_close(chunk_c2, pair.reference(c)[9:])
 
 
+@pytest.mark.parametrize("kernel_backend", list(KERNEL_BACKENDS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_only_steps_match_transformers_through_the_fused_layer_stack(
+    pairs: Callable[..., Pair], case: str, kernel_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair = pairs(case, kernel_backend)
+    fused_calls: list[bool] = []
+    original = pair.model.ops.decode_layers
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        fused_calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(pair.model.ops, "decode_layers", spy)
+    prompts = _prompts(pair.spec.vocab_size, [5, 12, 9], seed=7)
+    extra = _prompts(pair.spec.vocab_size, [4, 4, 4], seed=8)
+    harness = PagedHarness(pair.model, block_size=5)
+    harness.step([(str(i), p) for i, p in enumerate(prompts)])
+    for t in range(4):  # decode-only steps: every sequence one token, contexts of different lengths
+        outs = harness.step([(str(i), [extra[i][t]]) for i in range(3)])
+        for i, out in enumerate(outs):
+            full = prompts[i] + extra[i][: t + 1]
+            _assert_close(out, pair.reference(full)[-1:])
+    # the prefill step runs layer by layer; the decode-only steps in one kernel call with the kernels
+    assert fused_calls == [False] + [KERNEL_BACKENDS[kernel_backend] == "cpu"] * 4
+
+
 def test_sequence_reads_a_block_another_sequence_writes_in_the_same_step(pairs: Callable[[str], Pair]) -> None:
     pair = pairs("llama_gqa")
     (prefix,) = _prompts(pair.spec.vocab_size, [10], seed=4)

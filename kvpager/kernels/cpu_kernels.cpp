@@ -479,4 +479,47 @@ void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_
   }
 }
 
+// Every decoder layer of a decode-only step (M <= a few dozen rows) in one call: the same kernels
+// the per-op path calls from Python, in the same order, without ~9 Python/ctypes round trips per
+// layer. `layers` holds, per layer, 12 addresses (0 = absent): input norm, qkv weight, qkv bias,
+// o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight, down bias,
+// q norm, k norm. On entry x [M, H] is the embedding output; on return x is the last layer's MLP
+// output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
+// The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
+// M * (q_size + 2 kv_size + q_size + 2 inter + inter + H) floats.
+void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
+                       float* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
+                       const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
+                       int64_t window, float scale, int64_t partition, float* scratch) {
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+  const int64_t half_stride = num_blocks * block_size * kv_size;  // K -> V of one layer, in floats
+  float* qkv = scratch;
+  float* attn = qkv + M * qkv_size;
+  float* gate_up = attn + M * q_size;
+  float* act = gate_up + M * 2 * inter;
+  float* h = act + M * inter;
+  auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
+  std::memcpy(residual, x, M * H * sizeof(float));
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* p = layers + l * 12;
+    float* k_cache = kv_cache + l * 2 * half_stride;
+    if (l == 0) {
+      kvp_rms_norm(residual, H, f(p[0]), h, H, M, H, eps);
+    } else {
+      kvp_add_rms_norm(residual, x, f(p[0]), h, M, H, eps);
+    }
+    kvp_linear_small(h, M, H, f(p[1]), qkv_size, f(p[2]), qkv);
+    kvp_rope_and_cache(qkv, qkv_size, M, num_heads, num_kv_heads, head_dim, cos, sin, f(p[10]), f(p[11]), eps, k_cache,
+                       k_cache + half_stride, slots);
+    kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
+                     k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition);
+    kvp_linear_small(attn, M, q_size, f(p[3]), H, f(p[4]), x);
+    kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
+    kvp_linear_small(h, M, H, f(p[6]), 2 * inter, f(p[7]), gate_up);
+    kvp_silu_mul(gate_up, act, M, inter);
+    kvp_linear_small(act, M, inter, f(p[8]), H, f(p[9]), x);
+  }
+}
+
 }  // extern "C"

@@ -9,6 +9,9 @@ itself, or kvpager's fused C++ kernels on CPU; `finish_loading` chooses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -148,9 +151,14 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.lookup(positions)  # each [T, 1, head_dim // 2]
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            # NOTE: .forward, not __call__: module hooks are never used here and the call costs ~4 us.
-            x, residual = layer.forward(x, residual, cos, sin, kv_cache[i], attn_metadata, self.ops)
+        layers = cast(Sequence[Any], self.layers)  # a ModuleList: indexable, iterable
+        fused = self.ops.decode_layers(layers, self.spec, x, cos, sin, kv_cache, attn_metadata)
+        if fused is not None:
+            x, residual = fused
+        else:
+            for i, layer in enumerate(self.layers):
+                # NOTE: .forward, not __call__: module hooks are never used here and the call costs ~4 us.
+                x, residual = layer.forward(x, residual, cos, sin, kv_cache[i], attn_metadata, self.ops)
         assert residual is not None  # num_layers >= 1
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
