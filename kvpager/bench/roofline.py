@@ -7,13 +7,15 @@ For the throughput benchmark's decode steps (batch B at context ~`--context-len`
   bytes per token) + KV written (B x bytes per token);
 - FLOPs = 2 x matmul params per token x B + attention (4 x layers x heads x head_dim x context x B).
 The memory bound is bytes / read bandwidth; the compute bound FLOPs / matmul throughput. Real
-decode steps run through the engine: B requests are prefilled, then `--decode-steps` steps timed.
+decode steps run through the engine: B requests are prefilled, then `--decode-steps` steps timed one by one
+(the median step is reported: one stalled step on a shared machine moves a short mean a lot).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,8 +89,12 @@ def step_cost(spec: ModelSpec, batch: int, context: float, dtype_bytes: int = 4)
     }
 
 
-def time_decode_steps(engine: Any, batch: int, context_len: int, steps: int, seed: int) -> float:
-    """Prefill `batch` distinct prompts of `context_len`, then return the mean seconds per decode step."""
+def time_decode_steps(engine: Any, batch: int, context_len: int, steps: int, seed: int) -> tuple[float, float]:
+    """Prefill `batch` distinct prompts of `context_len`, then time `steps` decode steps one by one.
+
+    Returns (median, mean) seconds per step. NOTE: the median is the headline figure: on a shared
+    machine one stalled step moves the mean of a few steps by tens of percent.
+    """
     rng = random.Random(seed)
     vocab = engine.model_spec.vocab_size
     params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0)
@@ -99,16 +105,19 @@ def time_decode_steps(engine: Any, batch: int, context_len: int, steps: int, see
     while len(started) < batch:  # prefill (chunked) until every request has its first token
         started.update(o.request_id for o in engine.step())
     engine.step()  # one decode step untimed (warm-up at this batch shape)
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         engine.step()
-    seconds = (time.perf_counter() - start) / steps
+        times.append(time.perf_counter() - start)
     for rid in ids:
         engine.abort_request(rid)
-    return seconds
+    return statistics.median(times), statistics.fmean(times)
 
 
-def analyse(spec: ModelSpec, machine: dict[str, float], batch: int, context: float, seconds: float) -> dict[str, Any]:
+def analyse(
+    spec: ModelSpec, machine: dict[str, float], batch: int, context: float, seconds: float, mean_seconds: float
+) -> dict[str, Any]:
     cost = step_cost(spec, batch, context)
     t_mem = cost["bytes"] / (machine["read_gbs"] * 1e9)
     t_comp = cost["flops"] / (machine["gemm_gflops"] * 1e9)
@@ -122,7 +131,8 @@ def analyse(spec: ModelSpec, machine: dict[str, float], batch: int, context: flo
         "compute_bound_tok_s": batch / t_comp,
         "bound": "memory" if t_mem >= t_comp else "compute",
         "roofline_tok_s": bound_tok_s,
-        "seconds_per_step": seconds,
+        "seconds_per_step": seconds,  # median over the timed steps
+        "mean_seconds_per_step": mean_seconds,
         "achieved_tok_s": achieved_tok_s,
         "achieved_gbs": cost["bytes"] / seconds / 1e9,
         "achieved_gflops": cost["flops"] / seconds / 1e9,
@@ -137,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_common_args(p)
     p.add_argument("--batch-sizes", default="1,64", help="decode batch sizes to time (the last is 'largest')")
     p.add_argument("--context-len", type=int, default=256, help="prompt length before the timed decode steps")
-    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed (the median is reported)")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="tensor size for the bandwidth test")
     p.add_argument("--gemm-sizes", default="1024,2048")
     p.add_argument("--reps", type=int, default=5)
@@ -170,9 +180,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     rows = []
     for batch in batches:
         report.log(args, f"batch {batch}: prefill {args.context_len} x {batch}, then {args.decode_steps} steps ...")
-        seconds = time_decode_steps(engine, batch, args.context_len, args.decode_steps, args.seed + batch)
+        seconds, mean_seconds = time_decode_steps(engine, batch, args.context_len, args.decode_steps, args.seed + batch)
         context = args.context_len + 1 + args.decode_steps / 2
-        rows.append(analyse(spec, machine, batch, context, seconds))
+        rows.append(analyse(spec, machine, batch, context, seconds, mean_seconds))
     return build_result(args, argv, choice, machine, rows)
 
 
