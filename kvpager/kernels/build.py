@@ -1,9 +1,10 @@
-"""Build and load kvpager's C++ CPU kernels (cpu_kernels.cpp) with the system compiler.
+"""Build and load kvpager's C++ CPU kernels (common.h, layers.cpp, attention.cpp) with the system compiler.
 
 The library is compiled once per (source, compiler flags, CPU feature set) into a cache directory
 (`$KVPAGER_CACHE_DIR/kernels`, default `~/.cache/kvpager/kernels`) and loaded with ctypes. No torch
-headers are involved, so a build takes seconds. `load_cpu_kernels()` returns None (with the reason)
-when no compiler is available; callers then keep the torch path.
+headers are involved, so a build takes seconds. `load_cpu_kernels()` raises KernelBuildError (with
+the reason) when no compiler is available or the build fails; `select_ops("auto", ...)` then keeps the
+torch path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+KERNEL_DIR = Path(__file__).parent
+SOURCES = (KERNEL_DIR / "layers.cpp", KERNEL_DIR / "attention.cpp")
+HEADERS = (KERNEL_DIR / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
 
 _P = ctypes.c_void_p
@@ -108,14 +111,15 @@ def _cpu_features() -> str:
 
 def build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()):
+    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    for part in (*parts, " ".join(FLAGS).encode(), compiler.encode(), _cpu_features().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
 def build(force: bool = False) -> Path:
-    """Compile cpu_kernels.cpp unless the cached library for this source/flags/CPU exists; return its path."""
+    """Compile the kernels unless the cached library for these sources/flags/CPU exists; return its path."""
     compiler = _compiler()
     out_dir = cache_dir() / build_key(compiler)
     target = out_dir / "libkvpager_cpu.so"
@@ -125,11 +129,11 @@ def build(force: bool = False) -> Path:
     # NOTE: compile to a temporary name, then rename: concurrent builders never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+    cmd = [compiler, *FLAGS, *(str(p) for p in SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise KernelBuildError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            raise KernelBuildError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

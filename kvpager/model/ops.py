@@ -1,7 +1,7 @@
 """The per-layer operations of the decoder, behind one interface with two implementations.
 
 `TorchOps` is the reference: plain torch, any device and dtype. `CpuKernelOps` runs the same math
-in kvpager's C++ kernels (kvpager/kernels/cpu_kernels.cpp) for float32 on CPU: RMSNorm and
+in kvpager's C++ kernels (kvpager/kernels/{layers,attention}.cpp) for float32 on CPU: RMSNorm and
 residual-add fused, SiLU·up fused, RoPE and the K/V cache write fused, and decode attention that
 reads K/V blocks in place instead of gathering every sequence's context into a padded tensor.
 Prefill attention stays on torch's SDPA in both. Tests hold the two to each other and to transformers.

@@ -1,0 +1,215 @@
+// kvpager CPU kernels: paged decode attention reading K/V blocks in place (see common.h).
+#include "common.h"
+
+namespace {
+
+using kvp::dot;
+using kvp::fast_exp;
+#if defined(__AVX512F__)
+using kvp::fast_exp16;
+using kvp::reduce16;
+#endif
+
+// Same for a head_dim known only at run time.
+void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, const float* __restrict k_cache,
+                          const float* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
+                          int64_t kv_stride, int64_t begin, int64_t end, float scale, float* __restrict acc,
+                          float* __restrict m, float* __restrict l, float* __restrict scores) {
+  for (int64_t g = 0; g < group; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + group * hd, 0.f);
+  int64_t pos = begin;
+  while (pos < end) {
+    const int64_t blk = pos / block_size, off = pos % block_size;
+    const int64_t n = std::min(block_size - off, end - pos);
+    const int64_t base = (table[blk] * block_size + off) * kv_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k_cache + base + j * kv_stride;
+      for (int64_t g = 0; g < group; ++g) scores[g * block_size + j] = dot(q + g * hd, kr, hd) * scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * block_size;
+      float mb = m[g];
+      for (int64_t j = 0; j < n; ++j) mb = std::max(mb, s[j]);
+      const float alpha = fast_exp(m[g] - mb);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = fast_exp(s[j] - mb);
+        sum += s[j];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mb;
+      float* __restrict a = acc + g * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) a[i] *= alpha;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = s[j];
+        const float* __restrict vr = v_cache + base + j * kv_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) a[i] += p * vr[i];
+      }
+    }
+    pos += n;
+  }
+}
+
+// One (sequence, KV head, context partition) of decode attention: online softmax over chunks of
+// at most 16 positions inside a block. Writes the unnormalised accumulator acc[group][HD], the
+// running max m[group] and sum l[group]. HD is a multiple of 16 (one AVX-512 register of floats).
+template <int HD>
+void decode_partition(const float* __restrict q, int64_t group, const float* __restrict k_cache,
+                      const float* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
+                      int64_t kv_stride, int64_t begin, int64_t end, float scale, float* __restrict acc,
+                      float* __restrict m, float* __restrict l, float* __restrict scores) {
+#if defined(__AVX512F__)
+  constexpr int NV = HD / 16;
+  for (int64_t g = 0; g < group; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + group * HD, 0.f);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  alignas(64) float p[16];
+  __m512 t[16];
+  int64_t pos = begin;
+  while (pos < end) {
+    const int64_t blk = pos / block_size, off = pos % block_size;
+    const int64_t n = std::min<int64_t>({block_size - off, end - pos, 16});
+    const __mmask16 mask = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const int64_t base = (table[blk] * block_size + off) * kv_stride;
+    const float* kb = k_cache + base;
+    const float* vb = v_cache + base;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * HD;
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qg + v * 16);
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= n) {
+          t[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* kr = kb + j * kv_stride;
+        __m512 acc0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int v = 1; v < NV; ++v) acc0 = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + v * 16), acc0);
+        t[j] = acc0;
+      }
+      const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mask, reduce16(t), scale_v);
+      const float mb = std::max(m[g], _mm512_reduce_max_ps(sv));
+      const float alpha = fast_exp(m[g] - mb);  // ~0 on the first chunk (m = -inf), times acc = 0
+      const __m512 e = _mm512_maskz_mov_ps(mask, fast_exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+      _mm512_store_ps(p, e);
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
+      m[g] = mb;
+      float* a = acc + g * HD;
+      __m512 av[NV];
+      const __m512 al = _mm512_set1_ps(alpha);
+      for (int v = 0; v < NV; ++v) av[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), al);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        const float* vr = vb + j * kv_stride;
+        for (int v = 0; v < NV; ++v) av[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + v * 16), av[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, av[v]);
+    }
+    pos += n;
+  }
+#else
+  decode_partition_any(q, group, HD, k_cache, v_cache, table, block_size, kv_stride, begin, end, scale, acc, m, l,
+                       scores);
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// Decode attention, one query token per sequence, over paged K/V read in place.
+// q: token rows[d] of a [*, q_stride] buffer holding num_heads * head_dim; out likewise (out_stride).
+// Sequence d attends positions [max(0, seq_lens[d] - window), seq_lens[d]) (window <= 0: all) through
+// block_tables[d, :]. Query head h reads KV head h / (num_heads / num_kv_heads). Long contexts are
+// split into partitions of `partition` positions merged afterwards (flash-decoding), so one sequence
+// still spreads over every thread.
+void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition) {
+  const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
+  std::vector<int64_t> first(num_seqs + 1, 0), begin_pos(num_seqs);
+  for (int64_t d = 0; d < num_seqs; ++d) {
+    const int64_t n = seq_lens[d];
+    const int64_t b = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    begin_pos[d] = b;
+    first[d + 1] = first[d] + std::max<int64_t>(1, (n - b + partition - 1) / partition);
+  }
+  const int64_t num_parts = first[num_seqs];
+  const int64_t tasks = num_parts * num_kv_heads;
+  const int64_t per_task = group * (head_dim + 2);
+  std::vector<float> partial(tasks * per_task);
+  int64_t positions = 0;
+  for (int64_t d = 0; d < num_seqs; ++d) positions += seq_lens[d] - begin_pos[d];
+  // NOTE: below ~256k multiply-adds, waking the second thread costs more than it saves (measured).
+  const bool threads = omp_get_max_threads() > 1 && num_parts > 1 && positions * num_heads * head_dim >= (1 << 18);
+#pragma omp parallel if (threads)
+  {
+    std::vector<float> scores(group * block_size);
+    // NOTE: one task = one (sequence, partition) with every KV head, heads inner: a block's rows hold
+    // all heads side by side, so the other heads' bytes the prefetcher pulls in are used from L2
+    // (one task per head measured 16 GB/s at batch 32, context ~450).
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t part = 0; part < num_parts; ++part) {
+      const int64_t d = std::upper_bound(first.begin(), first.end(), part) - first.begin() - 1;
+      const int64_t begin = begin_pos[d] + (part - first[d]) * partition;
+      const int64_t end = std::min(seq_lens[d], begin + partition);
+      const int64_t row = rows != nullptr ? rows[d] : d;
+      const int64_t* table = block_tables + d * max_blocks;
+      for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+        const float* qd = q + row * q_stride + kh * group * head_dim;
+        float* acc = partial.data() + (part * num_kv_heads + kh) * per_task;
+        float* m = acc + group * head_dim;
+        float* l = m + group;
+        if (head_dim == 64) {
+          decode_partition<64>(qd, group, k_cache + kh * head_dim, v_cache + kh * head_dim, table, block_size,
+                               kv_stride, begin, end, scale, acc, m, l, scores.data());
+        } else if (head_dim == 128) {
+          decode_partition<128>(qd, group, k_cache + kh * head_dim, v_cache + kh * head_dim, table, block_size,
+                                kv_stride, begin, end, scale, acc, m, l, scores.data());
+        } else {
+          decode_partition_any(qd, group, head_dim, k_cache + kh * head_dim, v_cache + kh * head_dim, table,
+                               block_size, kv_stride, begin, end, scale, acc, m, l, scores.data());
+        }
+      }
+    }
+  }
+  // Merge the partitions of each (sequence, KV head): rescale to the common max, then normalise.
+#pragma omp parallel for if (threads && num_seqs * num_kv_heads > 1)
+  for (int64_t dk = 0; dk < num_seqs * num_kv_heads; ++dk) {
+    const int64_t d = dk / num_kv_heads, kh = dk % num_kv_heads;
+    const int64_t row = rows != nullptr ? rows[d] : d;
+    for (int64_t g = 0; g < group; ++g) {
+      float gm = -INFINITY;
+      for (int64_t p = first[d]; p < first[d + 1]; ++p) {
+        const float* acc = partial.data() + (p * num_kv_heads + kh) * per_task;
+        gm = std::max(gm, acc[group * head_dim + g]);
+      }
+      float* o = out + row * out_stride + (kh * group + g) * head_dim;
+      std::fill(o, o + head_dim, 0.f);
+      float total = 0.f;
+      for (int64_t p = first[d]; p < first[d + 1]; ++p) {
+        const float* acc = partial.data() + (p * num_kv_heads + kh) * per_task;
+        const float w = fast_exp(acc[group * head_dim + g] - gm);
+        total += acc[group * head_dim + group + g] * w;
+        const float* a = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) o[i] += w * a[i];
+      }
+      const float inv = 1.f / total;
+#pragma omp simd
+      for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
+    }
+  }
+}
+
+}  // extern "C"

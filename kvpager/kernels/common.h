@@ -1,0 +1,122 @@
+// kvpager CPU kernels (float32), shared part: math helpers and the C ABI. layers.cpp holds the
+// per-layer glue of a decode step (linear, norms, SiLU, RoPE + cache write, the fused layer stack),
+// attention.cpp the paged decode attention that reads K/V blocks in place.
+//
+// Plain C ABI, no torch headers: built once per machine by kvpager/kernels/build.py with the system
+// C++ compiler (-O3 -march=native -fopenmp) and called through ctypes with tensor data pointers.
+// OpenMP resolves to the libgomp torch already loaded, so torch.set_num_threads governs these loops too.
+//
+// Every function mirrors a torch reference in kvpager/model/ops.py (TorchOps); the tests compare them.
+// Layouts (row-major, float32 unless stated):
+//   qkv row:   [num_heads * head_dim | num_kv_heads * head_dim (K) | num_kv_heads * head_dim (V)]
+//   KV cache:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+//   cos, sin:  [num_tokens, head_dim / 2] (rotate-half RoPE, as transformers' Llama)
+
+#pragma once
+
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvp {
+
+// Parallelise a loop only when it is worth waking the thread pool.
+inline bool worth_threads(int64_t work) { return work >= (1 << 15) && omp_get_max_threads() > 1; }
+
+// exp(x) for float32 within ~2 ulp (Cephes' expf polynomial) written so the compiler vectorises it
+// (libm's expf is a scalar call in these loops). exp(-inf) returns ~1e-38 instead of 0: callers only
+// ever multiply it with zeros.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+#if defined(__AVX512F__)
+// fast_exp on 16 lanes (same polynomial and clamping).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#if defined(__AVX512F__)
+// Lane j of the result = the sum of the 16 lanes of t[j] (a transpose-and-add tree: 45 shuffles and
+// adds for 16 dot products instead of 16 separate horizontal reductions).
+inline __m512 reduce16(const __m512* t) {
+  __m512 x[8], z[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+}  // namespace kvp
+
+// The C ABI (called through ctypes; also from one kernel file to the other).
+extern "C" {
+void kvp_set_num_threads(int64_t n);
+int64_t kvp_max_threads();
+void kvp_linear_small(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out);
+void kvp_rms_norm(const float* x, int64_t x_stride, const float* w, float* out, int64_t out_stride, int64_t rows,
+                  int64_t dim, float eps);
+void kvp_add_rms_norm(float* residual, const float* x, const float* w, float* out, int64_t rows, int64_t dim,
+                      float eps);
+void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
+void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, const float* cos, const float* sin, const float* q_norm,
+                        const float* k_norm, float eps, float* k_cache, float* v_cache, const int64_t* slots);
+void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition);
+void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
+                       float* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
+                       const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
+                       int64_t window, float scale, int64_t partition, float* scratch);
+}
