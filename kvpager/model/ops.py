@@ -3,11 +3,13 @@
 `TorchOps` is the reference: plain torch, any device and dtype. `CpuKernelOps` runs the same math
 in kvpager's C++ kernels (kvpager/kernels/{layers,attention}.cpp) for float32 on CPU: RMSNorm and
 residual-add fused, SiLU·up fused, RoPE and the K/V cache write fused, and decode attention that
-reads K/V blocks in place instead of gathering every sequence's context into a padded tensor.
+reads K/V blocks in place instead of gathering every sequence's context into a padded tensor; a
+decode-only step of at most SMALL_BATCH_LINEAR rows runs every layer in one kernel call.
 Prefill attention stays on torch's SDPA in both. Tests hold the two to each other and to transformers.
 
-`select_ops(backend, dtype, device)` picks one: "torch", "cpu" (kernels, error if they cannot be
-built) or "auto" (kernels for float32 on CPU when a compiler is available, torch otherwise).
+`select_ops(backend, dtype, kv_dtype, device)` picks one: "torch", "cpu" (kernels, error if they cannot be
+built) or "auto" (kernels for a float32 model and KV cache on CPU when a compiler is available,
+torch otherwise).
 """
 
 from __future__ import annotations
@@ -171,9 +173,14 @@ class CpuKernelOps(TorchOps):
         ):
             return None
         table = self._layer_table(layers, spec.rms_norm_eps)
-        if table is None:
-            return None
         num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        # NOTE: the kernel trusts these shapes with raw pointers: refuse anything inconsistent.
+        if (
+            table is None
+            or table.shape[0] != num_layers
+            or (num_kv_heads, head_dim, x.shape[1]) != (spec.num_kv_heads, spec.head_dim, spec.hidden_size)
+        ):
+            return None
         hidden, inter = x.shape[1], spec.intermediate_size
         q_size, kv_size = spec.num_heads * head_dim, num_kv_heads * head_dim
         scratch = torch.empty(rows * (2 * q_size + 2 * kv_size + 3 * inter + hidden), dtype=torch.float32)
