@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kvpager.config import KERNEL_BACKENDS
 from kvpager.kernels.build import KernelBuildError, KernelLibrary, load_cpu_kernels
-from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_prefills, write_kv
+from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_prefills, paged_attention, write_kv
 from kvpager.model.rope import apply_rope
 from kvpager.model.spec import ModelSpec
 
@@ -119,10 +119,7 @@ class TorchOps:
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, hd] over each sequence's cached context -> [T, H, hd] (written K/V included)."""
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        attend_decodes(q, kv_layer, meta, scale, out)
-        attend_prefills(q, kv_layer, meta, scale, out)
-        return out
+        return paged_attention(q, kv_layer, meta, scale)
 
 
 class CpuKernelOps(TorchOps):
