@@ -364,3 +364,10 @@ def test_attention_metadata_rejects_a_block_table_too_short() -> None:
         build_attention_metadata([9], [9], [[0, 1]], 4, "cpu")
     with pytest.raises(ValueError, match="query_len <= seq_len"):
         build_attention_metadata([5], [4], [[0, 1]], 4, "cpu")
+
+
+def test_only_whole_prompts_from_position_zero_use_the_plain_causal_prefill_path() -> None:
+    meta = build_attention_metadata([6, 4, 5], [6, 9, 5], [[0, 1], [2, 3, 4], [5, 6]], 4, "cpu", sliding_window=None)
+    assert [c.plain_causal for c in meta.prefills] == [True, False, True]  # the middle one has cached context
+    windowed = build_attention_metadata([6, 5], [6, 5], [[0, 1], [2, 3]], 4, "cpu", sliding_window=5)
+    assert [c.plain_causal for c in windowed.prefills] == [False, True]  # 6 positions exceed the window of 5
