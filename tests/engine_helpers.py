@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kvpager.config import EngineConfig
 from kvpager.engine import Engine
 from kvpager.sampling_params import SamplingParams
+
+TINY_BLOCK = 4
+TINY_BLOCK_BYTES = TINY_BLOCK * 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 2 KV heads, head_dim 16, fp32
+
+
+def tiny_llama_config(checkpoint: Path, num_blocks: int, **fields: object) -> EngineConfig:
+    """An EngineConfig for the tiny llama checkpoint with a pool of exactly `num_blocks` blocks of 4."""
+    base: dict = {"block_size": TINY_BLOCK, "kv_cache_memory": num_blocks * TINY_BLOCK_BYTES, "max_num_seqs": 4}
+    return EngineConfig(model=str(checkpoint), **{**base, **fields})
 
 
 def run_greedy(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:

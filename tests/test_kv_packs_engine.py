@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import run_greedy
+from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
 
 from kvpager.config import EngineConfig
 from kvpager.engine import Engine
 from kvpager.kv.pack import PackHeader, decode_payload, encode_payload
 from kvpager.sampling_params import SamplingParams
 
-BLOCK = 4
-BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 2 KV heads, head_dim 16, fp32
+BLOCK = TINY_BLOCK
+BLOCK_BYTES = TINY_BLOCK_BYTES
 NUM_NEW = 6
 RNG = random.Random(11)
 SHARED = [RNG.randrange(3, 384) for _ in range(42)]  # 10 full blocks + 2 tokens
@@ -38,8 +38,7 @@ FILLERS = [tail(30, 100 + i) for i in range(6)]
 
 
 def config(checkpoint: Path, num_blocks: int = 64, **kv: object) -> EngineConfig:
-    fields: dict = {"block_size": BLOCK, "kv_cache_memory": num_blocks * BLOCK_BYTES, "max_num_seqs": 4, **kv}
-    return EngineConfig(model=str(checkpoint), **fields)
+    return tiny_llama_config(checkpoint, num_blocks, **kv)
 
 
 def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tuple[list[int], int]:

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from engine_helpers import run_greedy
+from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
 
 from kvpager.config import KV_CODECS, EngineConfig
 from kvpager.engine import Engine
@@ -18,8 +18,8 @@ from kvpager.engine_args import add_engine_args, config_from_args
 from kvpager.kv.codec import available_codecs
 from kvpager.kv.hashing import hash_prompt_blocks
 
-BLOCK = 4
-BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 2 KV heads, head_dim 16, fp32
+BLOCK = TINY_BLOCK
+BLOCK_BYTES = TINY_BLOCK_BYTES
 NUM_NEW = 6
 RNG = random.Random(7)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks
@@ -40,8 +40,7 @@ FILLERS = [tail(30, 100 + i) for i in range(6)]  # unrelated prompts that push "
 
 
 def config(checkpoint: Path, num_blocks: int = 24, **kv: object) -> EngineConfig:
-    fields: dict = {"block_size": BLOCK, "kv_cache_memory": num_blocks * BLOCK_BYTES, "max_num_seqs": 4, **kv}
-    return EngineConfig(model=str(checkpoint), **fields)
+    return tiny_llama_config(checkpoint, num_blocks, **kv)
 
 
 def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tuple[list[int], int]:
