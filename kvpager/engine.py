@@ -98,6 +98,9 @@ class Engine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         log_pool(lm.pool, lm.max_model_len)
+        ops = lm.model.ops
+        kernels = getattr(ops, "kernels", None)
+        logger.info("model math: %s ops%s", ops.name, f" (C++ kernels {kernels.path})" if kernels is not None else "")
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

@@ -189,10 +189,14 @@ def test_request_too_large_for_the_whole_pool_is_refused(llama_checkpoint: Path)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_both_kernel_backends_give_transformers_greedy_tokens(llama_checkpoint: Path, backend: str) -> None:
+def test_both_kernel_backends_give_transformers_greedy_tokens(
+    llama_checkpoint: Path, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
     prompt = make_prompts(1, 384, seed=3)[0][:20]
-    engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, kernel_backend=backend))
+    with caplog.at_level("INFO", logger="kvpager"):
+        engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, kernel_backend=backend))
     assert engine.runner.model.ops.name == backend
+    assert f"model math: {backend} ops" in caplog.text
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     tokens: list[int] = []
     while engine.has_unfinished_requests():
