@@ -79,6 +79,20 @@ def test_roofline_bench_reports_bounds_per_batch(capsys, tiny_model):
     for row in (one, three):
         assert 0 < row["achieved_tok_s"] and 0 < row["fraction_of_roofline"]
         assert row["roofline_tok_s"] == pytest.approx(min(row["memory_bound_tok_s"], row["compute_bound_tok_s"]))
+        assert len(row["step_seconds"]) == 2
+        assert row["paired_read_gbs_median"] > 0 and row["paired_gemm_gflops_median"] > 0
+        assert row["paired_fraction_of_memory_roofline"] > 0 and row["paired_fraction_of_compute_roofline"] > 0
+    assert r["targets"]["batch1_paired_memory_fraction"] == one["paired_fraction_of_memory_roofline"]
+
+
+def test_roofline_bench_without_paired_probes_reports_only_the_up_front_bounds(capsys, tiny_model):
+    r = run_bench(
+        capsys, tiny_model, "roofline", "--batch-sizes", "2", "--context-len", "8", "--decode-steps", "1",
+        "--bandwidth-mib", "8", "--gemm-sizes", "64", "--reps", "1", "--no-paired-probes",
+    )  # fmt: skip
+    (row,) = r["decode"]
+    assert "paired_fraction_of_memory_roofline" not in row and row["fraction_of_memory_roofline"] > 0
+    assert r["targets"]["batch1_paired_memory_fraction"] is None
 
 
 def test_memory_bench_runs_every_mode_and_the_real_engine(capsys, tiny_model, tmp_path):

@@ -9,6 +9,13 @@ For the throughput benchmark's decode steps (batch B at context ~`--context-len`
 The memory bound is bytes / read bandwidth; the compute bound FLOPs / matmul throughput. Real
 decode steps run through the engine: B requests are prefilled, then `--decode-steps` steps timed one by one
 (the median step is reported: one stalled step on a shared machine moves a short mean a lot).
+
+Two readings of each fraction: against the machine's best figures measured up front (best of
+`--reps`), and paired: after every timed step one read of the bandwidth (a sum over the bandwidth
+tensor) and one GEMM of the largest `--gemm-sizes` are timed once each, each step is set against the
+figures measured right after it, and the median over the steps is reported. On a shared machine the
+bandwidth moves by tens of percent within minutes; the paired figure compares a step with what the
+machine gave at that moment.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpager.bench import report
@@ -89,11 +97,57 @@ def step_cost(spec: ModelSpec, batch: int, context: float, dtype_bytes: int = 4)
     }
 
 
-def time_decode_steps(engine: Any, batch: int, context_len: int, steps: int, seed: int) -> tuple[float, float]:
-    """Prefill `batch` distinct prompts of `context_len`, then time `steps` decode steps one by one.
+@dataclass
+class StepTimes:
+    """Seconds of each timed decode step, and the machine probes read right after each."""
 
-    Returns (median, mean) seconds per step. NOTE: the median is the headline figure: on a shared
-    machine one stalled step moves the mean of a few steps by tens of percent.
+    seconds: list[float]
+    read_gbs: list[float] = field(default_factory=list)
+    gemm_gflops: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.seconds)
+
+
+@dataclass
+class Probes:
+    """One-shot machine probes run between timed steps: read bandwidth and fp32 GEMM throughput."""
+
+    read: Callable[[], float]
+    gemm: Callable[[], float]
+
+
+def make_probes(bandwidth_mib: int, gemm_size: int) -> Probes:
+    import torch
+
+    n = bandwidth_mib * 2**20 // 4
+    a = torch.rand(n)
+    x, y, z = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, gemm_size), torch.empty(gemm_size, gemm_size)
+
+    def once(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return Probes(
+        read=lambda: n * 4 / once(lambda: a.sum()) / 1e9,
+        gemm=lambda: 2 * gemm_size**3 / once(lambda: torch.mm(x, y, out=z)) / 1e9,
+    )
+
+
+def time_decode_steps(
+    engine: Any, batch: int, context_len: int, steps: int, seed: int, probes: Probes | None = None
+) -> StepTimes:
+    """Prefill `batch` distinct prompts of `context_len`, then time `steps` decode steps one by one,
+    reading the machine `probes` (when given) after each.
+
+    NOTE: the median step is the headline figure: on a shared machine one stalled step moves the
+    mean of a few steps by tens of percent.
     """
     rng = random.Random(seed)
     vocab = engine.model_spec.vocab_size
@@ -105,24 +159,38 @@ def time_decode_steps(engine: Any, batch: int, context_len: int, steps: int, see
     while len(started) < batch:  # prefill (chunked) until every request has its first token
         started.update(o.request_id for o in engine.step())
     engine.step()  # one decode step untimed (warm-up at this batch shape)
-    times = []
+    result = StepTimes([])
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - start)
+        result.seconds.append(time.perf_counter() - start)
+        if probes is not None:
+            result.read_gbs.append(probes.read())
+            result.gemm_gflops.append(probes.gemm())
     for rid in ids:
         engine.abort_request(rid)
-    return statistics.median(times), statistics.fmean(times)
+    return result
 
 
-def analyse(
-    spec: ModelSpec, machine: dict[str, float], batch: int, context: float, seconds: float, mean_seconds: float
-) -> dict[str, Any]:
+def analyse(spec: ModelSpec, machine: dict[str, float], batch: int, context: float, times: StepTimes) -> dict[str, Any]:
     cost = step_cost(spec, batch, context)
+    seconds = times.median
     t_mem = cost["bytes"] / (machine["read_gbs"] * 1e9)
     t_comp = cost["flops"] / (machine["gemm_gflops"] * 1e9)
     bound_tok_s = batch / max(t_mem, t_comp)
     achieved_tok_s = batch / seconds
+    paired: dict[str, Any] = {}
+    if times.read_gbs:
+        paired = {
+            "paired_read_gbs_median": statistics.median(times.read_gbs),
+            "paired_gemm_gflops_median": statistics.median(times.gemm_gflops),
+            "paired_fraction_of_memory_roofline": statistics.median(
+                cost["bytes"] / (gbs * 1e9) / t for gbs, t in zip(times.read_gbs, times.seconds, strict=True)
+            ),
+            "paired_fraction_of_compute_roofline": statistics.median(
+                cost["flops"] / (gf * 1e9) / t for gf, t in zip(times.gemm_gflops, times.seconds, strict=True)
+            ),
+        }
     return {
         "batch": batch,
         "mean_context": context,
@@ -132,13 +200,15 @@ def analyse(
         "bound": "memory" if t_mem >= t_comp else "compute",
         "roofline_tok_s": bound_tok_s,
         "seconds_per_step": seconds,  # median over the timed steps
-        "mean_seconds_per_step": mean_seconds,
+        "mean_seconds_per_step": times.mean,
+        "step_seconds": times.seconds,
         "achieved_tok_s": achieved_tok_s,
         "achieved_gbs": cost["bytes"] / seconds / 1e9,
         "achieved_gflops": cost["flops"] / seconds / 1e9,
         "fraction_of_memory_roofline": t_mem / seconds,
         "fraction_of_compute_roofline": t_comp / seconds,
         "fraction_of_roofline": achieved_tok_s / bound_tok_s,
+        **paired,
     }
 
 
@@ -152,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm-sizes", default="1024,2048")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-paired-probes",
+        action="store_true",
+        help="skip the bandwidth and GEMM probes read after every timed step (the paired fractions)",
+    )
     return p
 
 
@@ -162,7 +237,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     if not batches or min(batches) < 1 or args.decode_steps < 1 or args.context_len < 1:
         raise ValueError("--batch-sizes, --decode-steps and --context-len must be positive")
     report.set_threads(args.num_threads)
-    machine = measure_machine(args.bandwidth_mib, [int(m) for m in args.gemm_sizes.split(",")], args.reps)
+    machine = measure_machine(args.bandwidth_mib, [int(m) for m in args.gemm_sizes.split(",") if m], args.reps)
     report.log(args, f"machine: {machine['read_gbs']:.1f} GB/s read, {machine['gemm_gflops']:.0f} GFLOP/s fp32")
     choice = report.choose_model(args)
     spec = load_model_spec(choice.model_dir)
@@ -177,12 +252,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         enable_prefix_caching=False,
     )
     engine = Engine(config)
+    gemm_sizes = [int(m) for m in args.gemm_sizes.split(",")]
+    probes = None if args.no_paired_probes else make_probes(args.bandwidth_mib, max(gemm_sizes))
     rows = []
     for batch in batches:
         report.log(args, f"batch {batch}: prefill {args.context_len} x {batch}, then {args.decode_steps} steps ...")
-        seconds, mean_seconds = time_decode_steps(engine, batch, args.context_len, args.decode_steps, args.seed + batch)
+        times = time_decode_steps(engine, batch, args.context_len, args.decode_steps, args.seed + batch, probes)
         context = args.context_len + 1 + args.decode_steps / 2
-        rows.append(analyse(spec, machine, batch, context, seconds, mean_seconds))
+        rows.append(analyse(spec, machine, batch, context, times))
     return build_result(args, argv, choice, machine, rows)
 
 
@@ -204,6 +281,8 @@ def build_result(
             "largest_batch_compute_fraction": last["fraction_of_compute_roofline"],
             "largest_batch_ge_50pct_of_matmul_roofline": last["fraction_of_compute_roofline"]
             >= TARGETS["largest_batch_compute_fraction"],
+            "batch1_paired_memory_fraction": first.get("paired_fraction_of_memory_roofline"),
+            "largest_batch_paired_compute_fraction": last.get("paired_fraction_of_compute_roofline"),
         },
         "peak_rss_bytes": report.peak_rss_bytes(),
     }
@@ -224,11 +303,22 @@ def render(result: dict[str, Any]) -> str:
         for r in result["decode"]
     ]
     t = result["targets"]
-    tail = (
+    lines = [
+        head,
+        report.markdown_table(headers, rows),
         f"targets: batch-1 decode >= 70% of memory roofline: {t['batch1_memory_fraction']:.1%}; "
-        f"largest batch >= 50% of matmul roofline: {t['largest_batch_compute_fraction']:.1%}"
-    )
-    return "\n".join([head, report.markdown_table(headers, rows), tail])
+        f"largest batch >= 50% of matmul roofline: {t['largest_batch_compute_fraction']:.1%}",
+    ]
+    if t["batch1_paired_memory_fraction"] is not None:
+        first, last = result["decode"][0], result["decode"][-1]
+        lines.append(
+            f"paired (each step against the machine read right after it, median over steps): batch {first['batch']} "
+            f"{t['batch1_paired_memory_fraction']:.1%} of memory roofline "
+            f"(read {first['paired_read_gbs_median']:.1f} GB/s), batch {last['batch']} "
+            f"{t['largest_batch_paired_compute_fraction']:.1%} of matmul roofline "
+            f"({last['paired_gemm_gflops_median']:.0f} GFLOP/s)"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str]) -> int:
