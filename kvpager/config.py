@@ -17,6 +17,7 @@ DTYPE_BYTES: dict[str, int] = {
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KERNEL_BACKENDS = ("auto", "torch", "cpu")
+FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 # NOTE: must equal kvpager.kv.codec.available_codecs() (kept here so config stays torch-free; a test pins it).
 KV_CODECS = tuple(
     f"{base}{suffix}" for suffix in ("", "+zstd") for base in ("lossless", "fp16", "bf16", "int8", "int4")
@@ -55,6 +56,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
     kernel_backend: str = "auto"  # "auto" | "torch" | "cpu": fused C++ kernels for float32 on CPU (model/ops.py)
+    # float32 matmuls while the model runs: "highest" exact; "high" TF32 on CUDA; "medium" bf16 inputs with
+    # float32 accumulation (AMX / oneDNN on CPU): torch.set_float32_matmul_precision, scoped to the forward.
+    fp32_matmul_precision: str = "highest"
     host_kv_cache_memory: int | None = None  # bytes of host RAM for the host KV tier; None: no host tier
     kv_cache_dir: str | None = None  # persistent disk KV tier; None: no disk tier
     kv_cache_dir_max_bytes: int | None = None  # None: DEFAULT_KV_CACHE_DIR_MAX_BYTES
@@ -74,6 +78,10 @@ class EngineConfig:
         _check(
             self.kernel_backend in KERNEL_BACKENDS,
             f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}",
+        )
+        _check(
+            self.fp32_matmul_precision in FP32_MATMUL_PRECISIONS,
+            f"fp32_matmul_precision must be one of {FP32_MATMUL_PRECISIONS}, got {self.fp32_matmul_precision!r}",
         )
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _check(

@@ -14,6 +14,7 @@ import torch
 from kvpager.kv.hashing import RequestId
 from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_attention_metadata
 from kvpager.model.llama import CausalLM
+from kvpager.model.precision import fp32_matmul_precision
 from kvpager.model.spec import ModelSpec
 from kvpager.outputs import PositionLogprobs
 from kvpager.sampling import Sampler, SamplingRow
@@ -49,12 +50,14 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
+        fp32_matmul_precision: str = "highest",
     ) -> None:
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.fp32_matmul_precision = fp32_matmul_precision
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler()
@@ -88,7 +91,8 @@ class ModelRunner:
         if not scheduled:
             return {}
         input_ids, positions, md = self._prepare_inputs(out)
-        hidden = self.model(input_ids, positions, self.kv_cache, md)
+        with fp32_matmul_precision(self.fp32_matmul_precision):
+            hidden = self.model(input_ids, positions, self.kv_cache, md)
         # NOTE: logits only for sequences whose step reaches their last known token.
         ends: list[int] = []
         sample_ids: list[RequestId] = []
@@ -101,7 +105,8 @@ class ModelRunner:
         if not sample_ids:
             return {}
         index = torch.tensor(ends, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [S, vocab] fp32
+        with fp32_matmul_precision(self.fp32_matmul_precision):
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # [S, vocab] fp32
         return self._sample(sample_ids, logits)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

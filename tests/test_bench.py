@@ -89,7 +89,9 @@ def test_roofline_bench_without_paired_probes_reports_only_the_up_front_bounds(c
     r = run_bench(
         capsys, tiny_model, "roofline", "--batch-sizes", "2", "--context-len", "8", "--decode-steps", "1",
         "--bandwidth-mib", "8", "--gemm-sizes", "64", "--reps", "1", "--no-paired-probes",
+        "--fp32-matmul-precision", "medium",
     )  # fmt: skip
+    assert r["measured"]["fp32_matmul_precision"] == "medium"
     (row,) = r["decode"]
     assert "paired_fraction_of_memory_roofline" not in row and row["fraction_of_memory_roofline"] > 0
     assert r["targets"]["batch1_paired_memory_fraction"] is None

@@ -3,14 +3,17 @@ n > 1, stop handling, aborts and bad input. The reference is transformers on the
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import run_greedy
 
 from kvpager.config import EngineConfig
 from kvpager.engine import Engine
+from kvpager.engine_args import add_engine_args, config_from_args
 from kvpager.llm import LLM
 from kvpager.sampling_params import SamplingParams
 
@@ -202,6 +205,27 @@ def test_both_kernel_backends_give_transformers_greedy_tokens(
     while engine.has_unfinished_requests():
         tokens += [t for o in engine.step() for t in o.outputs[0].delta_token_ids]
     assert tokens == hf_greedy(llama_checkpoint, prompt, 12)
+
+
+def test_fp32_matmul_precision_is_in_force_while_the_model_runs_and_restored_after(llama_checkpoint: Path) -> None:
+    engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, fp32_matmul_precision="medium"))
+    seen: list[str] = []
+    forward = engine.runner.model.forward
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_float32_matmul_precision())
+        return forward(*args, **kwargs)
+
+    engine.runner.model.forward = spy  # type: ignore[method-assign]
+    tokens, _ = run_greedy(engine, make_prompts(1, 384, seed=4)[0][:40], 3)
+    assert len(tokens) == 3 and seen == ["medium"] * 3
+    assert torch.get_float32_matmul_precision() == "highest"
+    with pytest.raises(ValueError, match="fp32_matmul_precision must be one of"):
+        EngineConfig(model=str(llama_checkpoint), fp32_matmul_precision="low")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).fp32_matmul_precision == "highest"
+    assert config_from_args(parser.parse_args(["--fp32-matmul-precision", "medium"])).fp32_matmul_precision == "medium"
 
 
 def test_unknown_kernel_backend_and_kernels_for_bf16_are_refused(llama_checkpoint: Path) -> None:

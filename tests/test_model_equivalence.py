@@ -29,6 +29,7 @@ from kvpager.model import (
     load_model_spec,
 )
 from kvpager.model.llama import CausalLM
+from kvpager.model.precision import fp32_matmul_precision
 
 ATOL = 1e-4
 LLAMA3_ROPE = {
@@ -252,6 +253,17 @@ def test_bf16_kv_cache_with_fp32_compute_stays_close(pairs: Callable[[str], Pair
         logits = pair.model.compute_logits(pair.model(torch.tensor(prompt), torch.arange(12), kv, meta))
     err = (logits - pair.reference(prompt)).abs().max().item()
     assert 0 < err < 5e-2
+
+
+def test_medium_fp32_matmul_precision_stays_close_to_transformers(pairs: Callable[[str], Pair]) -> None:
+    pair = pairs("llama_gqa")
+    (prompt,) = _prompts(pair.spec.vocab_size, [40], seed=7)  # > 32 rows: the linear layers are torch's matmuls
+    harness = PagedHarness(pair.model, 4)
+    with fp32_matmul_precision("medium"):
+        (logits,) = harness.step([("s", prompt)])
+    assert torch.get_float32_matmul_precision() == "highest"
+    err = (logits - pair.reference(prompt)).abs().max().item()
+    assert err < 5e-2  # bf16-rounded matmul inputs (exact where the CPU has no bf16 matmul)
 
 
 def test_sharded_checkpoint_with_index_loads_same_logits(tmp_path: Path, pairs: Callable[[str], Pair]) -> None:

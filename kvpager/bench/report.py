@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpager.config import FP32_MATMUL_PRECISIONS
+
 DEFAULT_NUM_THREADS = 2
 
 
@@ -31,6 +33,16 @@ class ModelChoice:
     model_dir: str
     load_format: str
     is_default_dummy: bool
+
+
+def add_precision_arg(parser: argparse.ArgumentParser) -> None:
+    """--fp32-matmul-precision, as `kvpager serve`'s (kvpager.model.precision)."""
+    parser.add_argument(
+        "--fp32-matmul-precision",
+        choices=FP32_MATMUL_PRECISIONS,
+        default="highest",
+        help="float32 matmul precision while the model runs (medium: bfloat16 inputs, float32 accumulation)",
+    )
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, with_model: bool = True) -> None:

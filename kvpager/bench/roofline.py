@@ -122,17 +122,20 @@ class Probes:
     gemm: Callable[[], float]
 
 
-def make_probes(bandwidth_mib: int, gemm_size: int) -> Probes:
+def make_probes(bandwidth_mib: int, gemm_size: int, precision: str = "highest") -> Probes:
     import torch
+
+    from kvpager.model.precision import fp32_matmul_precision
 
     n = bandwidth_mib * 2**20 // 4
     a = torch.rand(n)
     x, y, z = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, gemm_size), torch.empty(gemm_size, gemm_size)
 
     def once(fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+        with fp32_matmul_precision(precision):
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
 
     return Probes(
         read=lambda: n * 4 / once(lambda: a.sum()) / 1e9,
@@ -222,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm-sizes", default="1024,2048")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    report.add_precision_arg(p)
     p.add_argument(
         "--no-paired-probes",
         action="store_true",
@@ -232,12 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     from kvpager.engine import Engine
+    from kvpager.model.precision import fp32_matmul_precision
 
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     if not batches or min(batches) < 1 or args.decode_steps < 1 or args.context_len < 1:
         raise ValueError("--batch-sizes, --decode-steps and --context-len must be positive")
     report.set_threads(args.num_threads)
-    machine = measure_machine(args.bandwidth_mib, [int(m) for m in args.gemm_sizes.split(",") if m], args.reps)
+    with fp32_matmul_precision(args.fp32_matmul_precision):  # the GEMM roofline at the precision the engine runs
+        machine = measure_machine(args.bandwidth_mib, [int(m) for m in args.gemm_sizes.split(",") if m], args.reps)
+    machine["fp32_matmul_precision"] = args.fp32_matmul_precision
     report.log(args, f"machine: {machine['read_gbs']:.1f} GB/s read, {machine['gemm_gflops']:.0f} GFLOP/s fp32")
     choice = report.choose_model(args)
     spec = load_model_spec(choice.model_dir)
@@ -250,10 +257,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         max_num_seqs=max(batches),
         num_threads=args.num_threads,
         enable_prefix_caching=False,
+        fp32_matmul_precision=args.fp32_matmul_precision,
     )
     engine = Engine(config)
     gemm_sizes = [int(m) for m in args.gemm_sizes.split(",")]
-    probes = None if args.no_paired_probes else make_probes(args.bandwidth_mib, max(gemm_sizes))
+    probes = (
+        None if args.no_paired_probes else make_probes(args.bandwidth_mib, max(gemm_sizes), args.fp32_matmul_precision)
+    )
     rows = []
     for batch in batches:
         report.log(args, f"batch {batch}: prefill {args.context_len} x {batch}, then {args.decode_steps} steps ...")
@@ -292,7 +302,8 @@ def render(result: dict[str, Any]) -> str:
     m = result["measured"]
     head = (
         f"measured: memory read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, "
-        f"fp32 GEMM {m['gemm_gflops']:.0f} GFLOP/s (best of sizes {', '.join(m['gemm_by_size'])})"
+        f"fp32 GEMM {m['gemm_gflops']:.0f} GFLOP/s (best of sizes {', '.join(m['gemm_by_size'])}; "
+        f"matmul precision {m.get('fp32_matmul_precision', 'highest')})"
     )
     headers = ["batch", "context", "MB/step", "GFLOP/step", "mem-bound tok/s", "compute-bound tok/s", "bound"]
     headers += ["achieved tok/s", "% of mem roofline", "% of matmul roofline", "% of bound"]

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: room for every request)")
+    report.add_precision_arg(p)
     return p
 
 
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads,
         seed=args.seed,
+        fp32_matmul_precision=args.fp32_matmul_precision,
     )
     engine = Engine(config)
     vocab = engine.model_spec.vocab_size
