@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kvpager.config import KERNEL_BACKENDS
 from kvpager.kernels.build import KernelBuildError, KernelLibrary, load_cpu_kernels
 from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_prefills, paged_attention, write_kv
+from kvpager.model.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
 from kvpager.model.rope import apply_rope
 from kvpager.model.spec import ModelSpec
 
@@ -139,6 +140,7 @@ class CpuKernelOps(TorchOps):
         self._decode_layers = kernels.fn("kvp_decode_layers")
         # NOTE: the layer table holds raw addresses: keep the modules alive alongside it.
         self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None]] = {}
+        self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
 
     def begin_step(self) -> None:
         # NOTE: OpenMP's thread count belongs to the calling thread; follow torch's on whichever
@@ -220,6 +222,15 @@ class CpuKernelOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
+        if (
+            rows > SMALL_BATCH_LINEAR
+            and self._bf16_linear is not None
+            and torch.get_float32_matmul_precision() == "medium"
+            and x.dim() == 2
+            and _f32(x)
+            and _f32(weight)
+        ):
+            return self._bf16_linear(x, weight, bias)
         if (
             rows > SMALL_BATCH_LINEAR
             or x.dim() != 2
