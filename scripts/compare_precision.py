@@ -1,0 +1,102 @@
+"""How far `--fp32-matmul-precision medium` moves a model's outputs from the exact ones.
+
+Two measurements on one checkpoint (default: the bundled demo model):
+1. logits: every position of a batch of prompts (one forward of > 32 rows, so the linear layers take
+   the bf16 path) against transformers in float32, at "highest" and at "medium";
+2. greedy generation: `--num-prompts` prompts generated together (decode batches > 32 rows) at each
+   precision; how many sequences come out identical, and where the others first diverge.
+
+Usage: python scripts/compare_precision.py [--model DIR] [--num-prompts 64] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvpager.llm import LLM  # noqa: E402
+from kvpager.model.attention import allocate_kv_cache, build_attention_metadata  # noqa: E402
+from kvpager.model.loader import load_model  # noqa: E402
+from kvpager.model.precision import fp32_matmul_precision  # noqa: E402
+from kvpager.paths import demo_model_dir  # noqa: E402
+from kvpager.sampling_params import SamplingParams  # noqa: E402
+
+
+def logit_errors(model_dir: str, prompts: list[list[int]]) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(model_dir, dtype=torch.float32, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    block = 16
+    tables, nxt = [], 0
+    for p in prompts:
+        n = -(-len(p) // block)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    kv = allocate_kv_cache(model.spec, nxt, block, torch.float32, "cpu")
+    lens = [len(p) for p in prompts]
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.tensor([i for p in prompts for i in range(len(p))])
+    with torch.inference_mode():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+        out = {}
+        for precision in ("highest", "medium"):
+            meta = build_attention_metadata(lens, lens, tables, block, "cpu")
+            with fp32_matmul_precision(precision):
+                logits = model.compute_logits(model(ids, pos, kv, meta))
+            out[precision] = (logits - ref).abs().max().item()
+            out[f"{precision}_argmax_agreement"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return out
+
+
+def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, precision: str) -> list[list[int]]:
+    llm = LLM(model_dir, fp32_matmul_precision=precision, kv_cache_memory=256 << 20, max_num_seqs=len(prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(demo_model_dir()))
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    from kvpager.model.spec import load_model_spec
+
+    vocab = load_model_spec(args.model).vocab_size
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    errs = logit_errors(args.model, prompts[:4])
+    print(
+        f"logits vs transformers ({min(4, len(prompts))} prompts x {args.prompt_len} positions, one forward): max |diff| "
+        f"highest {errs['highest']:.2e}, medium {errs['medium']:.2e}; argmax agreement "
+        f"highest {errs['highest_argmax_agreement']:.1%}, medium {errs['medium_argmax_agreement']:.1%}"
+    )
+    exact = greedy(args.model, prompts, args.max_tokens, "highest")
+    medium = greedy(args.model, prompts, args.max_tokens, "medium")
+    diverge = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+        for x, y in zip(exact, medium, strict=True)
+    ]
+    same = sum(d is None for d in diverge)
+    firsts = [d for d in diverge if d is not None]
+    tail = (
+        f"; the others first differ at token {statistics.median(firsts):.0f} (median), {min(firsts)} (min)"
+        if firsts
+        else ""
+    )
+    print(f"greedy, {args.num_prompts} prompts x {args.max_tokens} tokens in one batch: {same} identical{tail}")
+
+
+if __name__ == "__main__":
+    main()
