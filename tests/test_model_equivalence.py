@@ -83,9 +83,16 @@ class Pair:
 class PagedHarness:
     """A minimal runner: per-sequence block tables drawn from a shuffled pool, one forward per step."""
 
-    def __init__(self, model: CausalLM, block_size: int, num_blocks: int = 96, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        num_blocks: int = 96,
+        seed: int = 0,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.model, self.block_size = model, block_size
-        self.kv_cache = allocate_kv_cache(model.spec, num_blocks, block_size, torch.float32, "cpu")
+        self.kv_cache = allocate_kv_cache(model.spec, num_blocks, block_size, kv_dtype, "cpu")
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
@@ -215,6 +222,35 @@ def test_decode_only_steps_match_transformers_through_the_fused_layer_stack(
             _assert_close(out, pair.reference(full)[-1:])
     # the prefill step runs layer by layer; the decode-only steps in one kernel call with the kernels
     assert fused_calls == [False] + [KERNEL_BACKENDS[kernel_backend] == "cpu"] * 4
+
+
+@pytest.mark.parametrize("case", ["llama_gqa", "qwen3_qk_norm", "mistral_window_6"])
+def test_bf16_kv_cache_decode_steps_agree_between_kernels_and_torch(
+    pairs: Callable[..., Pair], case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernels, torch_ops = pairs(case, "auto"), pairs(case, "torch")
+    fused_calls: list[bool] = []
+    original = kernels.model.ops.decode_layers
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        fused_calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(kernels.model.ops, "decode_layers", spy)
+    prompts = _prompts(kernels.spec.vocab_size, [5, 12, 9], seed=9)
+    extra = _prompts(kernels.spec.vocab_size, [3, 3, 3], seed=10)
+    harnesses = [PagedHarness(p.model, block_size=5, kv_dtype=torch.bfloat16) for p in (kernels, torch_ops)]
+    for h in harnesses:
+        h.step([(str(i), p) for i, p in enumerate(prompts)])
+    for t in range(3):
+        got, ref = (h.step([(str(i), [extra[i][t]]) for i in range(3)]) for h in harnesses)
+        for i in range(3):
+            _assert_close(got[i], ref[i])  # same bf16 K/V read, float32 math in both
+            full = prompts[i] + extra[i][: t + 1]
+            assert (got[i] - kernels.reference(full)[-1:]).abs().max().item() < 5e-2
+    assert harnesses[0].kv_cache.dtype == torch.bfloat16 and fused_calls == [False, True, True, True]
+    assert torch.equal(harnesses[0].kv_cache.isnan(), harnesses[1].kv_cache.isnan())
 
 
 def test_sequence_reads_a_block_another_sequence_writes_in_the_same_step(pairs: Callable[[str], Pair]) -> None:

@@ -3,16 +3,19 @@
 
 namespace {
 
-using kvp::dot;
+using kvp::bf16_t;
 using kvp::fast_exp;
+using kvp::kv_load;
 #if defined(__AVX512F__)
 using kvp::fast_exp16;
+using kvp::load16;
 using kvp::reduce16;
 #endif
 
 // Same for a head_dim known only at run time.
-void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, const float* __restrict k_cache,
-                          const float* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
+template <typename T>
+void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, const T* __restrict k_cache,
+                          const T* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
                           int64_t kv_stride, int64_t begin, int64_t end, float scale, float* __restrict acc,
                           float* __restrict m, float* __restrict l, float* __restrict scores) {
   for (int64_t g = 0; g < group; ++g) {
@@ -26,8 +29,13 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
     const int64_t n = std::min(block_size - off, end - pos);
     const int64_t base = (table[blk] * block_size + off) * kv_stride;
     for (int64_t j = 0; j < n; ++j) {
-      const float* kr = k_cache + base + j * kv_stride;
-      for (int64_t g = 0; g < group; ++g) scores[g * block_size + j] = dot(q + g * hd, kr, hd) * scale;
+      const T* kr = k_cache + base + j * kv_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * hd;
+        float s = 0.f;
+        for (int64_t i = 0; i < hd; ++i) s += qg[i] * kv_load(kr[i]);
+        scores[g * block_size + j] = s * scale;
+      }
     }
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * block_size;
@@ -47,9 +55,9 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
       for (int64_t i = 0; i < hd; ++i) a[i] *= alpha;
       for (int64_t j = 0; j < n; ++j) {
         const float p = s[j];
-        const float* __restrict vr = v_cache + base + j * kv_stride;
+        const T* __restrict vr = v_cache + base + j * kv_stride;
 #pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) a[i] += p * vr[i];
+        for (int64_t i = 0; i < hd; ++i) a[i] += p * kv_load(vr[i]);
       }
     }
     pos += n;
@@ -59,9 +67,9 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
 // One (sequence, KV head, context partition) of decode attention: online softmax over chunks of
 // at most 16 positions inside a block. Writes the unnormalised accumulator acc[group][HD], the
 // running max m[group] and sum l[group]. HD is a multiple of 16 (one AVX-512 register of floats).
-template <int HD>
-void decode_partition(const float* __restrict q, int64_t group, const float* __restrict k_cache,
-                      const float* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
+template <int HD, typename T>
+void decode_partition(const float* __restrict q, int64_t group, const T* __restrict k_cache,
+                      const T* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
                       int64_t kv_stride, int64_t begin, int64_t end, float scale, float* __restrict acc,
                       float* __restrict m, float* __restrict l, float* __restrict scores) {
 #if defined(__AVX512F__)
@@ -80,8 +88,8 @@ void decode_partition(const float* __restrict q, int64_t group, const float* __r
     const int64_t n = std::min<int64_t>({block_size - off, end - pos, 16});
     const __mmask16 mask = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const int64_t base = (table[blk] * block_size + off) * kv_stride;
-    const float* kb = k_cache + base;
-    const float* vb = v_cache + base;
+    const T* kb = k_cache + base;
+    const T* vb = v_cache + base;
     const int64_t next = pos + n;
     if (next < end) {
       // NOTE: the next chunk's block is anywhere in the pool, out of the hardware prefetcher's reach:
@@ -89,7 +97,7 @@ void decode_partition(const float* __restrict q, int64_t group, const float* __r
       const int64_t nn = std::min<int64_t>({block_size - next % block_size, end - next, 16});
       const int64_t nbase = (table[next / block_size] * block_size + next % block_size) * kv_stride;
       for (int64_t j = 0; j < nn; ++j)
-        for (int64_t c = 0; c < HD; c += 16) {
+        for (int64_t c = 0; c < HD; c += 64 / int64_t(sizeof(T))) {
           _mm_prefetch(reinterpret_cast<const char*>(k_cache + nbase + j * kv_stride + c), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(v_cache + nbase + j * kv_stride + c), _MM_HINT_T0);
         }
@@ -103,9 +111,9 @@ void decode_partition(const float* __restrict q, int64_t group, const float* __r
           t[j] = _mm512_setzero_ps();
           continue;
         }
-        const float* kr = kb + j * kv_stride;
-        __m512 acc0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-        for (int v = 1; v < NV; ++v) acc0 = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + v * 16), acc0);
+        const T* kr = kb + j * kv_stride;
+        __m512 acc0 = _mm512_mul_ps(qv[0], load16(kr));
+        for (int v = 1; v < NV; ++v) acc0 = _mm512_fmadd_ps(qv[v], load16(kr + v * 16), acc0);
         t[j] = acc0;
       }
       const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mask, reduce16(t), scale_v);
@@ -121,8 +129,8 @@ void decode_partition(const float* __restrict q, int64_t group, const float* __r
       for (int v = 0; v < NV; ++v) av[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), al);
       for (int64_t j = 0; j < n; ++j) {
         const __m512 pj = _mm512_set1_ps(p[j]);
-        const float* vr = vb + j * kv_stride;
-        for (int v = 0; v < NV; ++v) av[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + v * 16), av[v]);
+        const T* vr = vb + j * kv_stride;
+        for (int v = 0; v < NV; ++v) av[v] = _mm512_fmadd_ps(pj, load16(vr + v * 16), av[v]);
       }
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, av[v]);
     }
@@ -136,18 +144,13 @@ void decode_partition(const float* __restrict q, int64_t group, const float* __r
 
 }  // namespace
 
-extern "C" {
+namespace {
 
-// Decode attention, one query token per sequence, over paged K/V read in place.
-// q: token rows[d] of a [*, q_stride] buffer holding num_heads * head_dim; out likewise (out_stride).
-// Sequence d attends positions [max(0, seq_lens[d] - window), seq_lens[d]) (window <= 0: all) through
-// block_tables[d, :]. Query head h reads KV head h / (num_heads / num_kv_heads). Long contexts are
-// split into partitions of `partition` positions merged afterwards (flash-decoding), so one sequence
-// still spreads over every thread.
-void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* block_tables,
-                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition) {
+template <typename T>
+void paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
+                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const T* k_cache,
+                  const T* v_cache, int64_t block_size, const int64_t* block_tables, int64_t max_blocks,
+                  const int64_t* seq_lens, int64_t window, float scale, int64_t partition) {
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
   std::vector<int64_t> first(num_seqs + 1, 0), begin_pos(num_seqs);
   for (int64_t d = 0; d < num_seqs; ++d) {
@@ -221,6 +224,26 @@ void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_
 #pragma omp simd
       for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
     }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition,
+                      int64_t kv_bf16) {
+  if (kv_bf16 != 0) {
+    paged_decode(q, q_stride, out, out_stride, rows, num_seqs, num_heads, num_kv_heads, head_dim,
+                 static_cast<const bf16_t*>(k_cache), static_cast<const bf16_t*>(v_cache), block_size, block_tables,
+                 max_blocks, seq_lens, window, scale, partition);
+  } else {
+    paged_decode(q, q_stride, out, out_stride, rows, num_seqs, num_heads, num_kv_heads, head_dim,
+                 static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_size, block_tables,
+                 max_blocks, seq_lens, window, scale, partition);
   }
 }
 

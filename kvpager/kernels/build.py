@@ -39,7 +39,7 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
     "kvp_rms_norm": (_P, _I, _P, _P, _I, _I, _I, _F),
     "kvp_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "kvp_silu_mul": (_P, _P, _I, _I),
-    "kvp_rope_and_cache": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P),
+    "kvp_rope_and_cache": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P, _I),
     "kvp_decode_layers": (
         _P,
         _P,
@@ -65,8 +65,9 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
         _F,
         _I,
         _P,
+        _I,
     ),
-    "kvp_paged_decode": (_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _F, _I),
+    "kvp_paged_decode": (_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _F, _I, _I),
 }
 
 

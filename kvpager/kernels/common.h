@@ -9,7 +9,7 @@
 // Every function mirrors a torch reference in kvpager/model/ops.py (TorchOps); the tests compare them.
 // Layouts (row-major, float32 unless stated):
 //   qkv row:   [num_heads * head_dim | num_kv_heads * head_dim (K) | num_kv_heads * head_dim (V)]
-//   KV cache:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+//   KV cache:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16
 //   cos, sin:  [num_tokens, head_dim / 2] (rotate-half RoPE, as transformers' Llama)
 
 #pragma once
@@ -26,6 +26,24 @@
 #include <vector>
 
 namespace kvp {
+
+// KV cache elements: float32, or bfloat16 held as its upper 16 bits (torch's layout and rounding).
+using bf16_t = uint16_t;
+inline float kv_load(float v) { return v; }
+inline float kv_load(bf16_t v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
+inline void kv_store(float* dst, float v) { *dst = v; }
+// Round to nearest even, NaN to 0x7FC0: bit for bit what torch's float -> bfloat16 conversion does.
+inline void kv_store(bf16_t* dst, float v) {
+  const uint32_t b = __builtin_bit_cast(uint32_t, v);
+  *dst = std::isnan(v) ? bf16_t(0x7FC0) : bf16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 // Parallelise a loop only when it is worth waking the thread pool.
 inline bool worth_threads(int64_t work) { return work >= (1 << 15) && omp_get_max_threads() > 1; }
@@ -107,16 +125,19 @@ void kvp_rms_norm(const float* x, int64_t x_stride, const float* w, float* out, 
 void kvp_add_rms_norm(float* residual, const float* x, const float* w, float* out, int64_t rows, int64_t dim,
                       float eps);
 void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
+// KV caches are void*: float32, or bfloat16 when kv_bf16 != 0.
 void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, const float* cos, const float* sin, const float* q_norm,
-                        const float* k_norm, float eps, float* k_cache, float* v_cache, const int64_t* slots);
+                        const float* k_norm, float eps, void* k_cache, void* v_cache, const int64_t* slots,
+                        int64_t kv_bf16);
 void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* block_tables,
-                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition);
+                      const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* block_tables,
+                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition,
+                      int64_t kv_bf16);
 void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
-                       float* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
+                       void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                       int64_t window, float scale, int64_t partition, float* scratch);
+                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_bf16);
 }

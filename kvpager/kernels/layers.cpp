@@ -168,8 +168,22 @@ void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter)
 // slot slots[t] (slot = block * block_size + offset; the caches are viewed as [slots, kv_heads, hd]).
 void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, const float* cos, const float* sin, const float* q_norm,
-                        const float* k_norm, float eps, float* k_cache, float* v_cache, const int64_t* slots) {
+                        const float* k_norm, float eps, void* k_cache, void* v_cache, const int64_t* slots,
+                        int64_t kv_bf16) {
   const int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
+  auto store = [&](const float* k, int64_t slot) {
+    if (kv_bf16 != 0) {
+      kvp::bf16_t* kc = static_cast<kvp::bf16_t*>(k_cache) + slot * kv_size;
+      kvp::bf16_t* vc = static_cast<kvp::bf16_t*>(v_cache) + slot * kv_size;
+      for (int64_t i = 0; i < kv_size; ++i) {
+        kvp::kv_store(kc + i, k[i]);
+        kvp::kv_store(vc + i, k[kv_size + i]);
+      }
+    } else {
+      std::memcpy(static_cast<float*>(k_cache) + slot * kv_size, k, kv_size * sizeof(float));
+      std::memcpy(static_cast<float*>(v_cache) + slot * kv_size, k + kv_size, kv_size * sizeof(float));
+    }
+  };
 #pragma omp parallel for if (worth_threads(num_tokens * (num_heads + 2 * num_kv_heads) * head_dim))
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* row = qkv + t * row_stride;
@@ -181,9 +195,7 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
       if (w != nullptr) rms_norm_inplace(x, w, head_dim, eps);
       rope_head(x, c, s, half);
     }
-    const float* k = row + num_heads * head_dim;
-    std::memcpy(k_cache + slots[t] * kv_size, k, kv_size * sizeof(float));
-    std::memcpy(v_cache + slots[t] * kv_size, k + kv_size, kv_size * sizeof(float));
+    store(row + num_heads * head_dim, slots[t]);
   }
 }
 
@@ -197,11 +209,12 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // M * (q_size + 2 kv_size + q_size + 2 inter + inter + H) floats.
 void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
-                       float* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
+                       void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                       int64_t window, float scale, int64_t partition, float* scratch) {
+                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_bf16) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-  const int64_t half_stride = num_blocks * block_size * kv_size;  // K -> V of one layer, in floats
+  // K -> V of one layer, in bytes
+  const int64_t half_stride = num_blocks * block_size * kv_size * (kv_bf16 != 0 ? 2 : 4);
   float* qkv = scratch;
   float* attn = qkv + M * qkv_size;
   float* gate_up = attn + M * q_size;
@@ -211,7 +224,7 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   std::memcpy(residual, x, M * H * sizeof(float));
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * 12;
-    float* k_cache = kv_cache + l * 2 * half_stride;
+    char* k_cache = static_cast<char*>(kv_cache) + l * 2 * half_stride;
     if (l == 0) {
       kvp_rms_norm(residual, H, f(p[0]), h, H, M, H, eps);
     } else {
@@ -219,9 +232,10 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
     }
     kvp_linear_small(h, M, H, f(p[1]), qkv_size, f(p[2]), qkv);
     kvp_rope_and_cache(qkv, qkv_size, M, num_heads, num_kv_heads, head_dim, cos, sin, f(p[10]), f(p[11]), eps, k_cache,
-                       k_cache + half_stride, slots);
+                       k_cache + half_stride, slots, kv_bf16);
     kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
-                     k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition);
+                     k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition,
+                     kv_bf16);
     kvp_linear_small(attn, M, q_size, f(p[3]), H, f(p[4]), x);
     kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
     kvp_linear_small(h, M, H, f(p[6]), 2 * inter, f(p[7]), gate_up);

@@ -165,7 +165,7 @@ class CpuKernelOps(TorchOps):
             or meta.prefills
             or not dec.is_leading
             or rows > SMALL_BATCH_LINEAR
-            or not (_f32(x) and _f32(cos) and _f32(sin) and _f32(kv_cache))
+            or not (_f32(x) and _f32(cos) and _f32(sin) and _kv_ok(kv_cache))
             or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv_cache.is_contiguous())
             or dec.block_tables.dtype != torch.int64
             or meta.slot_mapping.dtype != torch.int64
@@ -209,6 +209,7 @@ class CpuKernelOps(TorchOps):
             head_dim**-0.5,
             DECODE_PARTITION,
             scratch.data_ptr(),
+            _bf16(kv_cache),
         )
         return x, residual
 
@@ -295,7 +296,7 @@ class CpuKernelOps(TorchOps):
             _f32(qkv)
             and _f32(cos)
             and _f32(sin)
-            and _f32(kv_layer)
+            and _kv_ok(kv_layer)
             and (q_norm is None or _f32(q_norm))
             and (k_norm is None or _f32(k_norm))
             and slot_mapping.dtype == torch.int64
@@ -324,6 +325,7 @@ class CpuKernelOps(TorchOps):
             kv_layer[0].data_ptr(),
             kv_layer[1].data_ptr(),
             slot_mapping.data_ptr(),
+            _bf16(kv_layer),
         )
         return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
@@ -333,7 +335,7 @@ class CpuKernelOps(TorchOps):
         dec = meta.decode
         if dec is not None:
             if (
-                not (_f32(q) and _f32(kv_layer))
+                not (_f32(q) and _kv_ok(kv_layer))
                 or q.stride(2) != 1
                 or q.stride(1) != head_dim
                 or not kv_layer.is_contiguous()
@@ -362,6 +364,7 @@ class CpuKernelOps(TorchOps):
                     meta.sliding_window or 0,
                     scale,
                     DECODE_PARTITION,
+                    _bf16(kv_layer),
                 )
         attend_prefills(q, kv_layer, meta, scale, out)
         return out
@@ -399,17 +402,27 @@ def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
+def _kv_ok(t: torch.Tensor) -> bool:
+    """A KV cache the kernels read and write: float32 or bfloat16 on the CPU."""
+    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
 def select_ops(backend: str, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> TorchOps:
     """The ops for `backend` ("auto", "torch", "cpu"), the model's dtype, the KV cache's dtype and the device."""
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return TorchOps()
-    fits = device.type == "cpu" and dtype == torch.float32 and kv_dtype == torch.float32
+    fits = device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.bfloat16)
     if not fits:
         if backend == "cpu":
             raise ValueError(
-                "kernel_backend 'cpu' runs float32 models with a float32 KV cache on the CPU only, got dtype "
+                "kernel_backend 'cpu' runs float32 models with a float32 or bfloat16 KV cache on the CPU only, "
+                "got dtype "
                 f"{dtype}, KV cache {kv_dtype} on {device}; use 'auto' or 'torch'"
             )
         return TorchOps()
