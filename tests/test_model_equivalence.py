@@ -196,21 +196,27 @@ def test_decode_steps_mixed_with_prefill_chunk_match_transformers(
     _assert_close(chunk_c2, pair.reference(c)[9:])
 
 
+def _spy_fused_calls(model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record, per forward, whether `model.ops.decode_layers` ran the fused layer stack (not None)."""
+    calls: list[bool] = []
+    original = model.ops.decode_layers
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(model.ops, "decode_layers", spy)
+    return calls
+
+
 @pytest.mark.parametrize("kernel_backend", list(KERNEL_BACKENDS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_only_steps_match_transformers_through_the_fused_layer_stack(
     pairs: Callable[..., Pair], case: str, kernel_backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pair = pairs(case, kernel_backend)
-    fused_calls: list[bool] = []
-    original = pair.model.ops.decode_layers
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        fused_calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(pair.model.ops, "decode_layers", spy)
+    fused_calls = _spy_fused_calls(pair.model, monkeypatch)
     prompts = _prompts(pair.spec.vocab_size, [5, 12, 9], seed=7)
     extra = _prompts(pair.spec.vocab_size, [4, 4, 4], seed=8)
     harness = PagedHarness(pair.model, block_size=5)
@@ -229,15 +235,7 @@ def test_bf16_kv_cache_decode_steps_agree_between_kernels_and_torch(
     pairs: Callable[..., Pair], case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kernels, torch_ops = pairs(case, "auto"), pairs(case, "torch")
-    fused_calls: list[bool] = []
-    original = kernels.model.ops.decode_layers
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        fused_calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(kernels.model.ops, "decode_layers", spy)
+    fused_calls = _spy_fused_calls(kernels.model, monkeypatch)
     prompts = _prompts(kernels.spec.vocab_size, [5, 12, 9], seed=9)
     extra = _prompts(kernels.spec.vocab_size, [3, 3, 3], seed=10)
     harnesses = [PagedHarness(p.model, block_size=5, kv_dtype=torch.bfloat16) for p in (kernels, torch_ops)]
