@@ -51,5 +51,7 @@ class PackedBf16Linear:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), PACK_BATCH_HINT)
             entry = (weight, packed)
             self._packed[weight.data_ptr()] = entry
-        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), entry[1], None, "none", [], "").float()
+        out = torch.ops.mkldnn._linear_pointwise(
+            x.to(torch.bfloat16).contiguous(), entry[1], None, "none", [], ""
+        ).float()
         return out if bias is None else out.add_(bias)

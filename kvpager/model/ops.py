@@ -8,7 +8,7 @@ decode-only step of at most SMALL_BATCH_LINEAR rows runs every layer in one kern
 Prefill attention stays on torch's SDPA in both. Tests hold the two to each other and to transformers.
 
 `select_ops(backend, dtype, kv_dtype, device)` picks one: "torch", "cpu" (kernels, error if they cannot be
-built) or "auto" (kernels for a float32 model and KV cache on CPU when a compiler is available,
+built) or "auto" (kernels for a float32 model with a float32 or bfloat16 KV cache on CPU when a compiler is available,
 torch otherwise).
 """
 
