@@ -87,12 +87,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
-        scheduled = out.scheduled
-        if not scheduled:
+        if not out.scheduled:
             return {}
-        input_ids, positions, md = self._prepare_inputs(out)
         with fp32_matmul_precision(self.fp32_matmul_precision):
-            hidden = self.model(input_ids, positions, self.kv_cache, md)
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
+        scheduled = out.scheduled
+        input_ids, positions, md = self._prepare_inputs(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, md)
         # NOTE: logits only for sequences whose step reaches their last known token.
         ends: list[int] = []
         sample_ids: list[RequestId] = []
@@ -105,8 +108,7 @@ class ModelRunner:
         if not sample_ids:
             return {}
         index = torch.tensor(ends, dtype=torch.long, device=self.device)
-        with fp32_matmul_precision(self.fp32_matmul_precision):
-            logits = self.model.compute_logits(hidden.index_select(0, index))  # [S, vocab] fp32
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [S, vocab] fp32
         return self._sample(sample_ids, logits)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
