@@ -67,21 +67,92 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
 // One (sequence, KV head, context partition) of decode attention: online softmax over chunks of
 // at most 16 positions inside a block. Writes the unnormalised accumulator acc[group][HD], the
 // running max m[group] and sum l[group]. HD is a multiple of 16 (one AVX-512 register of floats).
+#if defined(__AVX512F__)
+// Scores of NB query heads (q rows HD apart) against the chunk's n K rows: t[b][j] holds the 16
+// partial sums of head b and row j (reduced by reduce16). Each K row is loaded once for all NB heads.
+template <int HD, int NB, typename T>
+inline void chunk_scores(const float* __restrict q, const T* __restrict kb, int64_t kv_stride, int64_t n,
+                         __m512 (*t)[16]) {
+  constexpr int NV = HD / 16;
+  __m512 qv[NB][NV];
+  for (int b = 0; b < NB; ++b)
+    for (int v = 0; v < NV; ++v) qv[b][v] = _mm512_loadu_ps(q + b * HD + v * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = kb + j * kv_stride;
+    __m512 kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = load16(kr + v * 16);
+    for (int b = 0; b < NB; ++b) {
+      __m512 s = _mm512_mul_ps(qv[b][0], kv[0]);
+      for (int v = 1; v < NV; ++v) s = _mm512_fmadd_ps(qv[b][v], kv[v], s);
+      t[b][j] = s;
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int64_t j = n; j < 16; ++j) t[b][j] = _mm512_setzero_ps();
+}
+
+// acc[b] = acc[b] * alpha[b] + sum_j p[b][j] * V[j] for NB heads; each V row is loaded once.
+template <int HD, int NB, typename T>
+inline void chunk_values(const float* __restrict p, const float* __restrict alpha, const T* __restrict vb,
+                         int64_t kv_stride, int64_t n, float* __restrict acc) {
+  constexpr int NV = HD / 16;
+  __m512 av[NB][NV];
+  for (int b = 0; b < NB; ++b) {
+    const __m512 al = _mm512_set1_ps(alpha[b]);
+    for (int v = 0; v < NV; ++v) av[b][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + b * HD + v * 16), al);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = vb + j * kv_stride;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vr + v * 16);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 pj = _mm512_set1_ps(p[b * 16 + j]);
+      for (int v = 0; v < NV; ++v) av[b][v] = _mm512_fmadd_ps(pj, vv[v], av[b][v]);
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + b * HD + v * 16, av[b][v]);
+}
+
+template <int HD, typename T>
+inline void chunk_scores_any(const float* q, const T* kb, int64_t kv_stride, int64_t n, int nb, __m512 (*t)[16]) {
+  switch (nb) {
+    case 1: chunk_scores<HD, 1>(q, kb, kv_stride, n, t); break;
+    case 2: chunk_scores<HD, 2>(q, kb, kv_stride, n, t); break;
+    case 3: chunk_scores<HD, 3>(q, kb, kv_stride, n, t); break;
+    default: chunk_scores<HD, 4>(q, kb, kv_stride, n, t); break;
+  }
+}
+
+template <int HD, typename T>
+inline void chunk_values_any(const float* p, const float* alpha, const T* vb, int64_t kv_stride, int64_t n, int nb,
+                             float* acc) {
+  switch (nb) {
+    case 1: chunk_values<HD, 1>(p, alpha, vb, kv_stride, n, acc); break;
+    case 2: chunk_values<HD, 2>(p, alpha, vb, kv_stride, n, acc); break;
+    case 3: chunk_values<HD, 3>(p, alpha, vb, kv_stride, n, acc); break;
+    default: chunk_values<HD, 4>(p, alpha, vb, kv_stride, n, acc); break;
+  }
+}
+#endif
+
 template <int HD, typename T>
 void decode_partition(const float* __restrict q, int64_t group, const T* __restrict k_cache,
                       const T* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
                       int64_t kv_stride, int64_t begin, int64_t end, float scale, float* __restrict acc,
                       float* __restrict m, float* __restrict l, float* __restrict scores) {
 #if defined(__AVX512F__)
-  constexpr int NV = HD / 16;
+  // Heads per pass: NB * HD / 16 query (and accumulator) registers must fit beside the K/V row.
+  constexpr int MAXB = HD <= 64 ? 4 : 2;
   for (int64_t g = 0; g < group; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
   std::fill(acc, acc + group * HD, 0.f);
   const __m512 scale_v = _mm512_set1_ps(scale);
-  alignas(64) float p[16];
-  __m512 t[16];
+  __m512 t[MAXB][16];
+  alignas(64) float p[MAXB * 16];
+  float alpha[MAXB];
   int64_t pos = begin;
   while (pos < end) {
     const int64_t blk = pos / block_size, off = pos % block_size;
@@ -102,37 +173,20 @@ void decode_partition(const float* __restrict q, int64_t group, const T* __restr
           _mm_prefetch(reinterpret_cast<const char*>(v_cache + nbase + j * kv_stride + c), _MM_HINT_T0);
         }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * HD;
-      __m512 qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qg + v * 16);
-      for (int64_t j = 0; j < 16; ++j) {
-        if (j >= n) {
-          t[j] = _mm512_setzero_ps();
-          continue;
-        }
-        const T* kr = kb + j * kv_stride;
-        __m512 acc0 = _mm512_mul_ps(qv[0], load16(kr));
-        for (int v = 1; v < NV; ++v) acc0 = _mm512_fmadd_ps(qv[v], load16(kr + v * 16), acc0);
-        t[j] = acc0;
+    for (int64_t g0 = 0; g0 < group; g0 += MAXB) {
+      const int nb = int(std::min<int64_t>(MAXB, group - g0));
+      chunk_scores_any<HD>(q + g0 * HD, kb, kv_stride, n, nb, t);
+      for (int b = 0; b < nb; ++b) {
+        const int64_t g = g0 + b;
+        const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mask, reduce16(t[b]), scale_v);
+        const float mb = std::max(m[g], _mm512_reduce_max_ps(sv));
+        alpha[b] = fast_exp(m[g] - mb);  // ~0 on the first chunk (m = -inf), times acc = 0
+        const __m512 e = _mm512_maskz_mov_ps(mask, fast_exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+        _mm512_store_ps(p + b * 16, e);
+        l[g] = l[g] * alpha[b] + _mm512_reduce_add_ps(e);
+        m[g] = mb;
       }
-      const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mask, reduce16(t), scale_v);
-      const float mb = std::max(m[g], _mm512_reduce_max_ps(sv));
-      const float alpha = fast_exp(m[g] - mb);  // ~0 on the first chunk (m = -inf), times acc = 0
-      const __m512 e = _mm512_maskz_mov_ps(mask, fast_exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
-      _mm512_store_ps(p, e);
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
-      m[g] = mb;
-      float* a = acc + g * HD;
-      __m512 av[NV];
-      const __m512 al = _mm512_set1_ps(alpha);
-      for (int v = 0; v < NV; ++v) av[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), al);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        const T* vr = vb + j * kv_stride;
-        for (int v = 0; v < NV; ++v) av[v] = _mm512_fmadd_ps(pj, load16(vr + v * 16), av[v]);
-      }
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, av[v]);
+      chunk_values_any<HD>(p, alpha, vb, kv_stride, n, nb, acc + g0 * HD);
     }
     pos = next;
   }
