@@ -18,15 +18,31 @@ import torch.nn.functional as F
 
 from kvpager.kernels.build import KernelLibrary, load_cpu_kernels
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
-from kvpager.model.ops import DECODE_PARTITION, SMALL_BATCH_LINEAR, CpuKernelOps, TorchOps, select_ops
+from kvpager.model.ops import (
+    DECODE_PARTITION,
+    PREFILL_KERNEL_MAX_CONTEXT,
+    SMALL_BATCH_LINEAR,
+    CpuKernelOps,
+    TorchOps,
+    select_ops,
+)
 
 REL = 1e-5
 REF = TorchOps()
-KERNELS = ("_linear_small", "_rms_norm", "_add_rms_norm", "_silu_mul", "_rope_and_cache", "_paged_decode")
+KERNELS = (
+    "_linear_small",
+    "_rms_norm",
+    "_add_rms_norm",
+    "_silu_mul",
+    "_rope_and_cache",
+    "_paged_decode",
+    "_prefill_attention",
+)
 
 
 class SpyOps(CpuKernelOps):
-    """CpuKernelOps that counts the calls of each kernel (by attribute name, e.g. "_paged_decode")."""
+    """CpuKernelOps that counts the calls of each kernel (by attribute name, e.g. "_paged_decode")
+    and, for kernels that may decline (return 0), the calls that did the work ("_prefill_attention ran")."""
 
     def __init__(self, kernels: KernelLibrary) -> None:
         super().__init__(kernels)
@@ -37,7 +53,10 @@ class SpyOps(CpuKernelOps):
     def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             self.calls[name] += 1
-            return fn(*args)
+            result = fn(*args)
+            if result:
+                self.calls[f"{name} ran"] += 1
+            return result
 
         return call
 
@@ -217,7 +236,10 @@ def _compare_attention(kops: SpyOps, q: torch.Tensor, cache: torch.Tensor, meta:
     scale = q.shape[-1] ** -0.5
     got = kops.attention(q, cache, meta, scale)
     _assert_close(got, REF.attention(q, cache, meta, scale))
-    assert kops.calls["_paged_decode"] == 1
+    assert kops.calls["_paged_decode"] == (meta.decode is not None)
+    # the prefill kernel takes head_dim 64 and 128; it declines the others (then SDPA runs)
+    assert kops.calls["_prefill_attention"] == bool(meta.prefills)
+    assert kops.calls["_prefill_attention ran"] == (bool(meta.prefills) and q.shape[-1] in (64, 128))
     return got
 
 
@@ -277,6 +299,29 @@ def test_mixed_batch_decode_and_prefill_rows_match_torch(
     _compare_attention(kops, q, cache, meta)
 
 
+@pytest.mark.parametrize("window", [None, 6, 100])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (9, 3), (4, 4), (8, 1)], ids=["g4", "g3", "g1", "g8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_prefill_chunks_after_cached_context_match_torch(
+    kops: SpyOps, threads: int, head_dim: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    # chunked prefill: queries start after 0, 7, 290 and 500 cached positions; 40 and 100 queries
+    # span several query blocks of the kernel, and block_size 5 puts chunk edges inside blocks
+    query_lens, seq_lens = [5, 9, 40, 100], [5, 16, 330, 600]
+    q, cache, meta = _attention_inputs(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 5, window=window, q_padding=head_dim, seed=9
+    )
+    assert meta.decode is None and len(meta.prefills) == 4
+    _compare_attention(kops, q, cache, meta)
+
+
+def test_prefill_beyond_the_kernel_context_limit_runs_in_torch(kops: SpyOps) -> None:
+    q, cache, meta = _attention_inputs([3, 2], [PREFILL_KERNEL_MAX_CONTEXT + 1, 2], 4, 2, 64, 16, seed=10)
+    scale = 64**-0.5
+    _assert_close(kops.attention(q, cache, meta, scale), REF.attention(q, cache, meta, scale))
+    assert kops.calls["_prefill_attention"] == 0
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_bf16_kv_cache_is_written_with_torchs_rounding_and_read_by_the_kernels(kops: SpyOps, head_dim: int) -> None:
     num_heads, num_kv_heads = 4, 2
@@ -297,6 +342,8 @@ def test_bf16_kv_cache_is_written_with_torchs_rounding_and_read_by_the_kernels(k
     out = kops.attention(q_got, cache_got, meta, head_dim**-0.5)
     _assert_close(out, REF.attention(q_ref, cache_ref, meta, head_dim**-0.5))
     assert kops.calls["_rope_and_cache"] == 1 and kops.calls["_paged_decode"] == 1
+    # the 3-token prefill, from the bfloat16 cache (head_dim 24 goes to SDPA)
+    assert kops.calls["_prefill_attention ran"] == (head_dim in (64, 128))
 
 
 def test_bf16_cache_write_rounds_ties_to_even_and_keeps_nan_inf(kops: SpyOps) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = (KERNEL_DIR / "layers.cpp", KERNEL_DIR / "attention.cpp")
+SOURCES = (KERNEL_DIR / "layers.cpp", KERNEL_DIR / "attention.cpp", KERNEL_DIR / "prefill.cpp")
 HEADERS = (KERNEL_DIR / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
 
@@ -68,7 +68,9 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
         _I,
     ),
     "kvp_paged_decode": (_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _F, _I, _I),
+    "kvp_prefill_attention": (_P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _F, _I),
 }
+RETURNS_INT = ("kvp_max_threads", "kvp_prefill_attention")  # the others return nothing
 
 
 @dataclass(frozen=True)
@@ -156,5 +158,5 @@ def load_cpu_kernels() -> KernelLibrary:
     for name, argtypes in SIGNATURES.items():
         f = getattr(lib, name)
         f.argtypes = list(argtypes)
-        f.restype = ctypes.c_int64 if name == "kvp_max_threads" else None
+        f.restype = ctypes.c_int64 if name in RETURNS_INT else None
     return KernelLibrary(path, lib)

@@ -135,6 +135,11 @@ void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_
                       const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* block_tables,
                       int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition,
                       int64_t kv_bf16);
+int64_t kvp_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t num_chunks,
+                              const int64_t* token_start, const int64_t* query_len, const int64_t* seq_len,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const void* k_cache,
+                              const void* v_cache, int64_t block_size, const int64_t* block_tables,
+                              int64_t max_blocks, int64_t window, float scale, int64_t kv_bf16);
 void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
                        void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
