@@ -345,10 +345,7 @@ class CpuKernelOps(TorchOps):
         dec = meta.decode
         if dec is not None:
             if (
-                not (_f32(q) and _kv_ok(kv_layer))
-                or q.stride(2) != 1
-                or q.stride(1) != head_dim
-                or not kv_layer.is_contiguous()
+                not _kernel_reads(q, kv_layer)
                 or dec.block_tables.dtype != torch.int64
                 or dec.seq_lens.dtype != torch.int64
             ):
@@ -386,9 +383,7 @@ class CpuKernelOps(TorchOps):
         """Write the prefill rows of `out` with the prefill kernel; False (nothing written) where it
         does not apply: then torch's SDPA runs."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        if not (_f32(q) and _kv_ok(kv_layer) and q.stride(2) == 1 and q.stride(1) == head_dim):
-            return False
-        if not kv_layer.is_contiguous() or meta.block_tables.dtype != torch.int64:
+        if not _kernel_reads(q, kv_layer) or meta.block_tables.dtype != torch.int64:
             return False
         if self._prefill_meta is not meta:
             seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
@@ -465,6 +460,12 @@ def _f32(t: torch.Tensor) -> bool:
 def _kv_ok(t: torch.Tensor) -> bool:
     """A KV cache the kernels read and write: float32 or bfloat16 on the CPU."""
     return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
+
+
+def _kernel_reads(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """q [T, H, hd] and a KV layer the attention kernels read through raw pointers: float32 q with
+    contiguous heads (rows may be strided), a contiguous float32 or bfloat16 cache, on the CPU."""
+    return _f32(q) and _kv_ok(kv_layer) and q.stride(2) == 1 and q.stride(1) == q.shape[2] and kv_layer.is_contiguous()
 
 
 def _bf16(t: torch.Tensor) -> int:
