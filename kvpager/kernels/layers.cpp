@@ -98,7 +98,10 @@ int64_t kvp_max_threads() { return omp_get_max_threads(); }
 // read once for all M inputs, threads split the rows.
 void kvp_linear_small(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out) {
   const int64_t tiles = (N + 3) / 4;
-#pragma omp parallel for schedule(static) if (worth_threads(N * K))
+// NOTE: guided, not static: a thread that loses its core for a while (a busy event loop, another
+// tenant's vCPU) no longer holds back the other's half of the rows. Engine, one process, alternating:
+// 32 sequences 1.19 -> 1.12 s, with a competing process 1.39 -> 1.21 s; batch 1 and 4-8 unchanged.
+#pragma omp parallel for schedule(guided) if (worth_threads(N * K))
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t n0 = tile * 4, rows = std::min<int64_t>(4, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
