@@ -135,10 +135,10 @@ void prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out
     first[c + 1] = first[c] + (query_len[c] + PREFILL_QB - 1) / PREFILL_QB * num_kv_heads;
   const int64_t tasks = first[num_chunks];
   const int64_t R = PREFILL_QB * group;
-  const int64_t work_floats = R * head_dim + 2 * R + head_dim * 16 + R * 16 + R + 16;
+  const int64_t work_floats = R * head_dim + 2 * R + head_dim * 16 + R * 16 + R;  // o, m, l, kt, p, alpha
 #pragma omp parallel if (omp_get_max_threads() > 1 && tasks > 1)
   {
-    std::vector<float> buf(work_floats + 16);
+    std::vector<float> buf(work_floats + 16);  // + room to align to 64 bytes
     float* work = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = tasks - 1; t >= 0; --t) {  // last blocks (longest contexts) first

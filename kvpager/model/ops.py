@@ -340,7 +340,7 @@ class CpuKernelOps(TorchOps):
         return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype)
         dec = meta.decode
         if dec is not None:
