@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kvpager.kernels.build import KernelLibrary, load_cpu_kernels
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
 from kvpager.model.ops import (
+    COLUMN_MAJOR_LINEAR_MAX_ROWS,
     DECODE_PARTITION,
     PREFILL_KERNEL_MAX_CONTEXT,
     SMALL_BATCH_LINEAR,
@@ -26,11 +27,13 @@ from kvpager.model.ops import (
     TorchOps,
     select_ops,
 )
+from kvpager.model.weight_layout import column_major_ld, padded_ld, to_column_major
 
 REL = 1e-5
 REF = TorchOps()
 KERNELS = (
     "_linear_small",
+    "_linear_t",
     "_rms_norm",
     "_add_rms_norm",
     "_silu_mul",
@@ -114,6 +117,33 @@ def test_linear_with_a_3d_input_falls_back_to_torch(kops: SpyOps) -> None:
     got = kops.linear(x, w, None)
     assert got.shape == (1, 3, 130)
     _assert_close(got, F.linear(x, w, None))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize(
+    "in_features,out_features",
+    [(37, 16), (64, 48), (576, 960), (100, 80), (33, 400), (16, 20)],
+    ids=["one_vector", "one_panel", "qkv", "partial_panel", "wide_partial", "not_16"],
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33, 63, 64])
+def test_column_major_linear_matches_torch(
+    kops: SpyOps, threads: int, rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    # every panel shape (1-3, 4, 5-6, 7-15 rows and from 16), row tail and column tail (panels of 128 and
+    # 48 columns, a last narrower panel, a width that is no multiple of 16)
+    x, w = _randn(rows, in_features, seed=rows), _randn(out_features, in_features, seed=100)
+    b = _randn(out_features, seed=200) if bias else None
+    wt = to_column_major(w)
+    assert torch.equal(wt, w) and column_major_ld(wt) == padded_ld(out_features)
+    _assert_close(kops.linear(x, wt, b), F.linear(x, w, b))
+    assert kops.calls["_linear_t"] == 1 and kops.calls["_linear_small"] == 0
+
+
+def test_column_major_linear_above_the_row_limit_runs_in_torch_on_the_same_buffer(kops: SpyOps) -> None:
+    rows = COLUMN_MAJOR_LINEAR_MAX_ROWS + 1
+    x, w, b = _randn(rows, 64, seed=1), _randn(96, 64, seed=2), _randn(96, seed=3)
+    _assert_close(kops.linear(x, to_column_major(w), b), F.linear(x, w, b))
+    assert kops.calls["_linear_t"] == 0
 
 
 def test_linear_threaded_path_matches_torch(kops: SpyOps, threads: int) -> None:

@@ -25,7 +25,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = (KERNEL_DIR / "layers.cpp", KERNEL_DIR / "attention.cpp", KERNEL_DIR / "prefill.cpp")
+SOURCES = (
+    KERNEL_DIR / "layers.cpp",
+    KERNEL_DIR / "linear.cpp",
+    KERNEL_DIR / "attention.cpp",
+    KERNEL_DIR / "prefill.cpp",
+)
 HEADERS = (KERNEL_DIR / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
 
@@ -36,6 +41,8 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
     "kvp_set_num_threads": (_I,),
     "kvp_max_threads": (),
     "kvp_linear_small": (_P, _I, _I, _P, _I, _P, _P),
+    "kvp_linear_t": (_P, _I, _I, _P, _I, _I, _P, _P),
+    "kvp_linear_t_fast": (),
     "kvp_rms_norm": (_P, _I, _P, _P, _I, _I, _I, _F),
     "kvp_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "kvp_silu_mul": (_P, _P, _I, _I),
@@ -70,7 +77,7 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
     "kvp_paged_decode": (_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _F, _I, _I),
     "kvp_prefill_attention": (_P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _F, _I),
 }
-RETURNS_INT = ("kvp_max_threads", "kvp_prefill_attention")  # the others return nothing
+RETURNS_INT = ("kvp_max_threads", "kvp_prefill_attention", "kvp_linear_t_fast")  # the others return nothing
 
 
 @dataclass(frozen=True)

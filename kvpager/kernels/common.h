@@ -27,6 +27,9 @@
 
 namespace kvp {
 
+// Entries per layer in kvp_decode_layers' table (kvpager.model.ops builds it with the same width).
+constexpr int64_t kLayerTableWidth = 16;
+
 // KV cache elements: float32, or bfloat16 held as its upper 16 bits (torch's layout and rounding).
 using bf16_t = uint16_t;
 inline float kv_load(float v) { return v; }
@@ -120,6 +123,8 @@ extern "C" {
 void kvp_set_num_threads(int64_t n);
 int64_t kvp_max_threads();
 void kvp_linear_small(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out);
+void kvp_linear_t(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, int64_t N, const float* bias,
+                  float* out);
 void kvp_rms_norm(const float* x, int64_t x_stride, const float* w, float* out, int64_t out_stride, int64_t rows,
                   int64_t dim, float eps);
 void kvp_add_rms_norm(float* residual, const float* x, const float* w, float* out, int64_t rows, int64_t dim,

@@ -206,7 +206,8 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // the per-op path calls from Python, in the same order, without ~9 Python/ctypes round trips per
 // layer. `layers` holds, per layer, 12 addresses (0 = absent): input norm, qkv weight, qkv bias,
 // o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight, down bias,
-// q norm, k norm. On entry x [M, H] is the embedding output; on return x is the last layer's MLP
+// q norm, k norm; then the leading dimensions of the qkv, o, gate_up and down weights when they are
+// stored column-major (kvp_linear_t), 0 when they are torch's row-major [N, K] (kvp_linear_small). On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
 // M * (q_size + 2 kv_size + q_size + 2 inter + inter + H) floats.
@@ -224,26 +225,33 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   float* act = gate_up + M * 2 * inter;
   float* h = act + M * inter;
   auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
+  auto linear = [&](const float* in, int64_t K, int64_t w, int64_t ldw, int64_t N, int64_t bias, float* out) {
+    if (ldw > 0) {
+      kvp_linear_t(in, M, K, f(w), ldw, N, f(bias), out);
+    } else {
+      kvp_linear_small(in, M, K, f(w), N, f(bias), out);
+    }
+  };
   std::memcpy(residual, x, M * H * sizeof(float));
   for (int64_t l = 0; l < num_layers; ++l) {
-    const int64_t* p = layers + l * 12;
+    const int64_t* p = layers + l * kvp::kLayerTableWidth;
     char* k_cache = static_cast<char*>(kv_cache) + l * 2 * half_stride;
     if (l == 0) {
       kvp_rms_norm(residual, H, f(p[0]), h, H, M, H, eps);
     } else {
       kvp_add_rms_norm(residual, x, f(p[0]), h, M, H, eps);
     }
-    kvp_linear_small(h, M, H, f(p[1]), qkv_size, f(p[2]), qkv);
+    linear(h, H, p[1], p[12], qkv_size, p[2], qkv);
     kvp_rope_and_cache(qkv, qkv_size, M, num_heads, num_kv_heads, head_dim, cos, sin, f(p[10]), f(p[11]), eps, k_cache,
                        k_cache + half_stride, slots, kv_bf16);
     kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
                      k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition,
                      kv_bf16);
-    kvp_linear_small(attn, M, q_size, f(p[3]), H, f(p[4]), x);
+    linear(attn, q_size, p[3], p[13], H, p[4], x);
     kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
-    kvp_linear_small(h, M, H, f(p[6]), 2 * inter, f(p[7]), gate_up);
+    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up);
     kvp_silu_mul(gate_up, act, M, inter);
-    kvp_linear_small(act, M, inter, f(p[8]), H, f(p[9]), x);
+    linear(act, inter, p[8], p[15], H, p[9], x);
   }
 }
 

@@ -48,7 +48,7 @@ class PackedBf16Linear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         entry = self._packed.get(weight.data_ptr())
         if entry is None or entry[0] is not weight:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), PACK_BATCH_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), PACK_BATCH_HINT)
             entry = (weight, packed)
             self._packed[weight.data_ptr()] = entry
         out = torch.ops.mkldnn._linear_pointwise(

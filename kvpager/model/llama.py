@@ -132,12 +132,13 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
 
     def finish_loading(self, dtype: torch.dtype, device: torch.device, ops: TorchOps | None = None) -> None:
-        """Tie lm_head when asked, build the RoPE table, set the ops (default: torch); call after weights
-        are assigned."""
+        """Tie lm_head when asked, build the RoPE table, set the ops (default: torch) and let them arrange
+        the weights; call after weights are assigned."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RopeCache.build(self.spec, dtype, device)
         self.ops = ops if ops is not None else TorchOps()
+        self.ops.prepare_weights(self)
         self.eval()
 
     def forward(

@@ -55,6 +55,9 @@ def load_model(
         state = _fuse(spec, _read_checkpoint(Path(model_dir), spec), dtype, device)
     _check_state(state, expected, Path(model_dir))
     model.load_state_dict(state, strict=False, assign=True)
+    # NOTE: the model holds the tensors now; dropping the dict lets finish_loading's ops free each
+    # weight as they replace it (kernel layouts), instead of holding two copies of every weight.
+    del state
     model.finish_loading(dtype, device, select_ops(kernel_backend, dtype, kv_dtype or dtype, device))
     return model
 

@@ -1,11 +1,12 @@
 """The per-layer operations of the decoder, behind one interface with two implementations.
 
 `TorchOps` is the reference: plain torch, any device and dtype. `CpuKernelOps` runs the same math
-in kvpager's C++ kernels (kvpager/kernels/{layers,attention}.cpp) for float32 on CPU: RMSNorm and
-residual-add fused, SiLU·up fused, RoPE and the K/V cache write fused, and decode attention that
-reads K/V blocks in place instead of gathering every sequence's context into a padded tensor; a
-decode-only step of at most SMALL_BATCH_LINEAR rows runs every layer in one kernel call.
-Prefill attention stays on torch's SDPA in both. Tests hold the two to each other and to transformers.
+in kvpager's C++ kernels (kvpager/kernels/*.cpp) for float32 on CPU: RMSNorm and residual-add
+fused, SiLU·up fused, RoPE and the K/V cache write fused, decode and prefill attention that read
+K/V blocks in place instead of gathering every sequence's context into a padded tensor (prefill
+beyond PREFILL_KERNEL_MAX_CONTEXT in torch's SDPA), linear layers of small batches over weights it
+stores column-major at load (`prepare_weights`); a decode-only step of at most SMALL_BATCH_LINEAR
+rows runs every layer in one kernel call. Tests hold the two to each other and to transformers.
 
 `select_ops(backend, dtype, kv_dtype, device)` picks one: "torch", "cpu" (kernels, error if they cannot be
 built) or "auto" (kernels for a float32 model with a float32 or bfloat16 KV cache on CPU when a compiler is available,
@@ -27,6 +28,7 @@ from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_pr
 from kvpager.model.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
 from kvpager.model.rope import apply_rope
 from kvpager.model.spec import ModelSpec
+from kvpager.model.weight_layout import column_major_ld, convert_linear_weights
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +36,17 @@ logger = logging.getLogger(__name__)
 # Decode attention splits a sequence's context into partitions of this many positions (merged
 # afterwards), so one long sequence still spreads over every thread.
 DECODE_PARTITION = 256
-# Linear layers with at most this many input rows run in the kernel (each weight row read once for
-# all rows, next rows prefetched); larger batches go to torch's GEMM. Measured on llama-small's
-# weights, 2 threads: 1.8x torch at 4-16 rows, 1.24x at 32, 1.07x at 48, 0.87x at 64.
+# Linear layers over torch's row-major weights (CPUs without AVX-512, tied embeddings) with at most
+# this many input rows run in the dot-product kernel (each weight row read once for all rows, next
+# rows prefetched); larger batches go to torch's GEMM. Measured on llama-small's weights, 2 threads:
+# 1.8x torch at 4-16 rows, 1.24x at 32, 1.07x at 48, 0.87x at 64. Decode-only steps of at most this
+# many rows run the whole layer stack in one kernel call.
 SMALL_BATCH_LINEAR = 32
+# A linear layer over weights stored column-major (kvpager.model.weight_layout) runs in the
+# outer-product kernel up to this many input rows, in torch's GEMM (on the same buffer) beyond.
+# Measured, 2 threads, 30 SmolLM2-shaped / 8 llama-small-shaped layers: torch / kernel 1.34 / 1.19
+# at 32 rows, 1.10-1.12 / 1.09-1.11 at 64, 1.11 / 0.98 at 80, 0.89-0.99 / 0.91 at 128.
+COLUMN_MAJOR_LINEAR_MAX_ROWS = 64
 # Prefill chunks attend in the kernel when the step's longest prefill context is at most this long,
 # else in torch's SDPA. Measured, 2 threads, per layer: six prompts of 130-512 tokens (8/4 heads)
 # 9.4 vs 15.3 ms, one of 512 + 4 of 512 (9/3) 12.4 vs 18.1, Llama-3-8B heads at 500 39.2 vs 56.2;
@@ -52,6 +61,9 @@ class TorchOps:
 
     def begin_step(self) -> None:
         """Called once at the start of every forward, on the thread that runs it."""
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Called once after loading: rearrange the model's weights for these ops (values unchanged)."""
 
     def decode_layers(
         self,
@@ -136,6 +148,8 @@ class CpuKernelOps(TorchOps):
     def __init__(self, kernels: KernelLibrary) -> None:
         self.kernels = kernels
         self._linear_small = kernels.fn("kvp_linear_small")
+        self._linear_t = kernels.fn("kvp_linear_t")
+        self._column_major = bool(kernels.fn("kvp_linear_t_fast")())
         self._rms_norm = kernels.fn("kvp_rms_norm")
         self._add_rms_norm = kernels.fn("kvp_add_rms_norm")
         self._silu_mul = kernels.fn("kvp_silu_mul")
@@ -151,6 +165,11 @@ class CpuKernelOps(TorchOps):
         # identifies the step; holding it keeps its id from being reused).
         self._prefill_meta: AttentionMetadata | None = None
         self._prefill_arrays: tuple[torch.Tensor, ...] = ()
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        # Linear weights column-major for the outer-product kernel (where it has its AVX-512 tiles).
+        if self._column_major:
+            convert_linear_weights(model)
 
     def begin_step(self) -> None:
         # NOTE: OpenMP's thread count belongs to the calling thread; follow torch's on whichever
@@ -224,8 +243,9 @@ class CpuKernelOps(TorchOps):
         return x, residual
 
     def _layer_table(self, layers: Sequence[Any], eps: float) -> torch.Tensor | None:
-        """[L, 12] int64 addresses of each layer's tensors (see kvp_decode_layers); None when a tensor is
-        not float32 contiguous on the CPU or the norms' eps differ (then the layers run one by one)."""
+        """[L, 16] int64 addresses of each layer's tensors and its weights' layouts (see kvp_decode_layers);
+        None when a tensor is not float32 on the CPU, contiguous or (a weight) column-major, or the norms'
+        eps differ (then the layers run one by one)."""
         key = id(layers)
         if key not in self._tables:
             self._tables[key] = (layers, _build_layer_table(layers, eps))
@@ -233,10 +253,33 @@ class CpuKernelOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
+        ld = column_major_ld(weight)
+        if (
+            ld
+            and rows <= COLUMN_MAJOR_LINEAR_MAX_ROWS
+            and x.dim() == 2
+            and x.is_contiguous()
+            and _f32(x)
+            and (bias is None or (_f32(bias) and bias.is_contiguous()))
+            and not (rows > SMALL_BATCH_LINEAR and self._bf16_linear is not None and _medium_precision())
+        ):
+            out_features, in_features = weight.shape
+            out = torch.empty((rows, out_features), dtype=x.dtype)
+            self._linear_t(
+                x.data_ptr(),
+                rows,
+                in_features,
+                weight.data_ptr(),
+                ld,
+                out_features,
+                bias.data_ptr() if bias is not None else None,
+                out.data_ptr(),
+            )
+            return out
         if (
             rows > SMALL_BATCH_LINEAR
             and self._bf16_linear is not None
-            and torch.get_float32_matmul_precision() == "medium"
+            and _medium_precision()
             and x.dim() == 2
             and _f32(x)
             and _f32(weight)
@@ -446,10 +489,18 @@ def _build_layer_table(layers: Sequence[Any], eps: float) -> torch.Tensor | None
         ]
         if attn.q_norm is not None:
             all_eps.add(attn.q_norm.eps)
-        if any(t is not None and not (_f32(t) and t.is_contiguous()) for t in tensors):
+        weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        # each weight row-major (ld 0: kvp_linear_small) or column-major (its ld: kvp_linear_t)
+        lds = [column_major_ld(w) for w in weights]
+        column_major = {id(w) for w, ld in zip(weights, lds, strict=True) if ld}
+        if any(t is not None and not (_f32(t) and (t.is_contiguous() or id(t) in column_major)) for t in tensors):
             return None
-        rows.append([t.data_ptr() if t is not None else 0 for t in tensors])
+        rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + lds)
     return torch.tensor(rows, dtype=torch.int64) if all_eps == {eps} else None
+
+
+def _medium_precision() -> bool:
+    return torch.get_float32_matmul_precision() == "medium"
 
 
 def _f32(t: torch.Tensor) -> bool:
