@@ -237,6 +237,29 @@ def test_decode_only_steps_match_transformers_through_the_fused_layer_stack(
             assert (column_major_ld(linear.weight) > 0) == (column_major and linear.weight.shape[0] % 16 == 0)
 
 
+def test_fused_layer_stack_takes_up_to_64_decode_rows_over_column_major_weights(
+    pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair = pairs("llama_gqa", "auto")
+    if not (pair.model.ops.name == "cpu" and pair.model.ops._column_major):
+        pytest.skip("needs the AVX-512 column-major linear (this CPU lacks AVX-512)")
+    fused_calls = _spy_fused_calls(pair.model, monkeypatch)
+    prompts = _prompts(pair.spec.vocab_size, [3] * 65, seed=11)
+    extra = _prompts(pair.spec.vocab_size, [1] * 65, seed=12)
+    harness = PagedHarness(pair.model, block_size=4, num_blocks=140)
+    harness.step([(str(i), p) for i, p in enumerate(prompts)])
+    outs = harness.step([(str(i), extra[i]) for i in range(40)])  # 40 decode rows: fused
+    for i in (0, 17, 39):
+        _assert_close(outs[i], pair.reference(prompts[i] + extra[i])[-1:])
+    harness.step([(str(i), extra[i]) for i in range(40, 65)])  # catch the rest up
+    (extra2,) = _prompts(pair.spec.vocab_size, [65], seed=13)
+    harness.step([(str(i), [extra2[i]]) for i in range(65)])  # 65 rows: layer by layer
+    with fp32_matmul_precision("medium"):  # 40 rows at medium: the bfloat16 linear, layer by layer
+        harness.step([(str(i), [extra2[i]]) for i in range(40)])
+    bf16 = pair.model.ops._bf16_linear is not None
+    assert fused_calls == [False, True, True, False, not bf16]
+
+
 @pytest.mark.parametrize("case", ["llama_gqa", "qwen3_qk_norm", "mistral_window_6"])
 def test_bf16_kv_cache_decode_steps_agree_between_kernels_and_torch(
     pairs: Callable[..., Pair], case: str, monkeypatch: pytest.MonkeyPatch

@@ -47,6 +47,10 @@ SMALL_BATCH_LINEAR = 32
 # Measured, 2 threads, 30 SmolLM2-shaped / 8 llama-small-shaped layers: torch / kernel 1.34 / 1.19
 # at 32 rows, 1.10-1.12 / 1.09-1.11 at 64, 1.11 / 0.98 at 80, 0.89-0.99 / 0.91 at 128.
 COLUMN_MAJOR_LINEAR_MAX_ROWS = 64
+# kvp_decode_layers' table: per layer LAYER_TABLE_ADDRESSES tensor addresses, then the leading
+# dimensions of the four weights (0 = row-major); LAYER_TABLE_WIDTH in all (kLayerTableWidth in C++).
+LAYER_TABLE_ADDRESSES = 12
+LAYER_TABLE_WIDTH = 16
 # Prefill chunks attend in the kernel when the step's longest prefill context is at most this long,
 # else in torch's SDPA. Measured, 2 threads, per layer: six prompts of 130-512 tokens (8/4 heads)
 # 9.4 vs 15.3 ms, one of 512 + 4 of 512 (9/3) 12.4 vs 18.1, Llama-3-8B heads at 500 39.2 vs 56.2;
@@ -186,14 +190,15 @@ class CpuKernelOps(TorchOps):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # A decode-only step of at most SMALL_BATCH_LINEAR rows: one kernel call for all layers instead
-        # of ~9 Python/ctypes calls per layer (measured: the calls cost more than the math at batch 1).
+        # A decode-only step of at most SMALL_BATCH_LINEAR rows (COLUMN_MAJOR_LINEAR_MAX_ROWS when every
+        # weight is column-major): one kernel call for all layers instead of ~9 Python/ctypes calls per
+        # layer (measured: the calls cost more than the math at batch 1).
         dec, rows = meta.decode, x.shape[0]
         if (
             dec is None
             or meta.prefills
             or not dec.is_leading
-            or rows > SMALL_BATCH_LINEAR
+            or rows > COLUMN_MAJOR_LINEAR_MAX_ROWS
             or not (_f32(x) and _f32(cos) and _f32(sin) and _kv_ok(kv_cache))
             or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv_cache.is_contiguous())
             or dec.block_tables.dtype != torch.int64
@@ -205,6 +210,7 @@ class CpuKernelOps(TorchOps):
         # NOTE: the kernel trusts these shapes with raw pointers: refuse anything inconsistent.
         if (
             table is None
+            or rows > self._fused_max_rows(table)
             or table.shape[0] != num_layers
             or (num_kv_heads, head_dim, x.shape[1]) != (spec.num_kv_heads, spec.head_dim, spec.hidden_size)
         ):
@@ -241,6 +247,17 @@ class CpuKernelOps(TorchOps):
             _bf16(kv_cache),
         )
         return x, residual
+
+    def _fused_max_rows(self, table: torch.Tensor) -> int:
+        """The most rows the fused stack takes over `table`'s weights: up to COLUMN_MAJOR_LINEAR_MAX_ROWS
+        when every weight is column-major, except at "medium" precision with the bfloat16 linear (faster
+        above SMALL_BATCH_LINEAR rows); SMALL_BATCH_LINEAR otherwise. Measured, 64 sequences, fused vs
+        per layer: 181.5 vs 200.4 ms (SmolLM2 shape), 58.4 vs 64.5 ms (llama-small); 48: 138.0 vs 144.4."""
+        if bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all()) and not (
+            self._bf16_linear is not None and _medium_precision()
+        ):
+            return COLUMN_MAJOR_LINEAR_MAX_ROWS
+        return SMALL_BATCH_LINEAR
 
     def _layer_table(self, layers: Sequence[Any], eps: float) -> torch.Tensor | None:
         """[L, 16] int64 addresses of each layer's tensors and its weights' layouts (see kvp_decode_layers);
@@ -496,6 +513,7 @@ def _build_layer_table(layers: Sequence[Any], eps: float) -> torch.Tensor | None
         if any(t is not None and not (_f32(t) and (t.is_contiguous() or id(t) in column_major)) for t in tensors):
             return None
         rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + lds)
+        assert len(rows[-1]) == LAYER_TABLE_WIDTH and len(tensors) == LAYER_TABLE_ADDRESSES
     return torch.tensor(rows, dtype=torch.int64) if all_eps == {eps} else None
 
 
