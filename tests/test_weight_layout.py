@@ -48,12 +48,22 @@ class _Tied(nn.Module):
         self.head.weight = self.embed.weight
 
 
-def test_convert_skips_tied_embeddings_and_widths_the_kernel_cannot_tile() -> None:
+def test_convert_keeps_tied_weights_shared_and_skips_widths_the_kernel_cannot_tile() -> None:
     model = _Tied()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    assert convert_linear_weights(model) == 1
+    ids = torch.tensor([0, 5, 63, 5])
+    looked_up = model.embed(ids)
+    assert convert_linear_weights(model) == 2
     assert column_major_ld(model.proj.weight) == padded_ld(48)
-    assert column_major_ld(model.odd.weight) == 0 and model.head.weight is model.embed.weight
-    assert column_major_ld(model.head.weight) == 0
+    assert column_major_ld(model.odd.weight) == 0
+    # the tied head and the embedding: one column-major tensor, the lookup unchanged
+    assert model.head.weight is model.embed.weight and column_major_ld(model.head.weight) == padded_ld(64)
+    assert torch.equal(model.embed(ids), looked_up)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_an_embedding_without_a_linear_stays_row_major() -> None:
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 16))
+    assert convert_linear_weights(model) == 1
+    assert column_major_ld(model[0].weight) == 0 and column_major_ld(model[1].weight) > 0

@@ -52,23 +52,30 @@ def to_column_major(weight: torch.Tensor) -> torch.Tensor:
 def convert_linear_weights(model: nn.Module) -> int:
     """Store every float32 CPU `nn.Linear` weight of `model` column-major, in place; returns how many.
 
-    Skipped: weights shared with an embedding (tied lm_head: the lookup wants rows), output widths
-    that are not a multiple of 16 (the kernel's vector width), and anything not float32 on the CPU.
+    A weight the Linear shares with an `nn.Embedding` (a tied lm_head) is converted for both: the
+    lookup then gathers strided columns (measured 0.33 vs 0.05 ms for 64 tokens of a 49152 x 576
+    table, 10 vs 2 ms for 2,048), the lm_head gets the kernel. Skipped: output widths that are not
+    a multiple of 16 (the kernel's vector width) and anything not float32 on the CPU.
     """
-    embedding_storage = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    converted = 0
+    owners: dict[int, list[nn.Module]] = {}  # id(weight) -> the Linear and Embedding modules holding it
+    weights: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        weight = module.weight
+        if isinstance(module, nn.Linear | nn.Embedding):
+            owners.setdefault(id(module.weight), []).append(module)
+            weights[id(module.weight)] = module.weight
+    converted = 0
+    for key, holders in owners.items():
+        weight = weights[key]
         if (
-            weight.dtype != torch.float32
+            not any(isinstance(m, nn.Linear) for m in holders)
+            or weight.dtype != torch.float32
             or weight.device.type != "cpu"
             or not weight.is_contiguous()
             or weight.shape[0] % FLOATS_PER_LINE != 0
-            or weight.data_ptr() in embedding_storage
         ):
             continue
-        module.weight = nn.Parameter(to_column_major(weight.detach()), requires_grad=False)
+        replacement = nn.Parameter(to_column_major(weight.detach()), requires_grad=False)
+        for module in holders:
+            module.weight = replacement
         converted += 1
     return converted
