@@ -270,29 +270,6 @@ class CpuKernelOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
-        ld = column_major_ld(weight)
-        if (
-            ld
-            and rows <= COLUMN_MAJOR_LINEAR_MAX_ROWS
-            and x.dim() == 2
-            and x.is_contiguous()
-            and _f32(x)
-            and (bias is None or (_f32(bias) and bias.is_contiguous()))
-            and not (rows > SMALL_BATCH_LINEAR and self._bf16_linear is not None and _medium_precision())
-        ):
-            out_features, in_features = weight.shape
-            out = torch.empty((rows, out_features), dtype=x.dtype)
-            self._linear_t(
-                x.data_ptr(),
-                rows,
-                in_features,
-                weight.data_ptr(),
-                ld,
-                out_features,
-                bias.data_ptr() if bias is not None else None,
-                out.data_ptr(),
-            )
-            return out
         if (
             rows > SMALL_BATCH_LINEAR
             and self._bf16_linear is not None
@@ -302,24 +279,22 @@ class CpuKernelOps(TorchOps):
             and _f32(weight)
         ):
             return self._bf16_linear(x, weight, bias)
+        # column-major weights: the outer-product kernel; row-major: the dot-product one; else torch
+        ld = column_major_ld(weight)
         if (
-            rows > SMALL_BATCH_LINEAR
+            rows > (COLUMN_MAJOR_LINEAR_MAX_ROWS if ld else SMALL_BATCH_LINEAR)
             or x.dim() != 2
-            or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
+            or not (x.is_contiguous() and (ld or weight.is_contiguous()) and (bias is None or bias.is_contiguous()))
             or not (_f32(x) and _f32(weight) and (bias is None or _f32(bias)))
         ):
             return F.linear(x, weight, bias)
         out_features, in_features = weight.shape
         out = torch.empty((rows, out_features), dtype=x.dtype)
-        self._linear_small(
-            x.data_ptr(),
-            rows,
-            in_features,
-            weight.data_ptr(),
-            out_features,
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-        )
+        b = bias.data_ptr() if bias is not None else None
+        if ld:
+            self._linear_t(x.data_ptr(), rows, in_features, weight.data_ptr(), ld, out_features, b, out.data_ptr())
+        else:
+            self._linear_small(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, b, out.data_ptr())
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
