@@ -207,7 +207,8 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // layer. `layers` holds, per layer, 12 addresses (0 = absent): input norm, qkv weight, qkv bias,
 // o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight, down bias,
 // q norm, k norm; then the leading dimensions of the qkv, o, gate_up and down weights when they are
-// stored column-major (kvp_linear_t), 0 when they are torch's row-major [N, K] (kvp_linear_small). On entry x [M, H] is the embedding output; on return x is the last layer's MLP
+// stored column-major (kvp_linear_t), 0 when they are torch's row-major [N, K] (kvp_linear_small).
+// On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
 // M * (q_size + 2 kv_size + q_size + 2 inter + inter + H) floats.
