@@ -22,12 +22,12 @@ constexpr int64_t kPrefetchLines = 64;
 constexpr int64_t kFarPrefetch = 4;
 
 // out[0..MR)[0..NV*16) = x[0..MR) . wt columns (+ bias); x rows K apart, out rows N apart.
-// first: this tile is the panel's first pass (prefetch its rows ahead); next: the next panel, pulled
-// into L2 one row per step (by the panel's second tile, while the weights are in cache anyway).
+// first: this tile is the panel's first pass (prefetch its rows ahead; the later tiles find them in
+// cache). NOTE: also pulling the next panel into L2 during the second tile was measured 2-15 %
+// slower at 8-64 rows than not, and dropped.
 template <int MR, int NV>
 inline void outer_tile(const float* __restrict x, int64_t K, const float* __restrict wt, int64_t ldw,
-                       float* __restrict out, int64_t N, const float* __restrict bias, bool first,
-                       const float* __restrict next) {
+                       float* __restrict out, int64_t N, const float* __restrict bias, bool first) {
   constexpr int64_t pf = std::max<int64_t>(4, kPrefetchLines / NV);  // rows
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
@@ -41,8 +41,6 @@ inline void outer_tile(const float* __restrict x, int64_t K, const float* __rest
         for (int j = 0; j < NV; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(row + kFarPrefetch * pf * ldw + j * 16), _MM_HINT_T1);
     }
-    if (next != nullptr)
-      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + k * ldw + j * 16), _MM_HINT_T2);
     __m512 b[NV];
     for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_ps(row + j * 16);
     for (int m = 0; m < MR; ++m) {
@@ -62,7 +60,7 @@ inline void outer_rows(int64_t rows, const float* x, int64_t K, const float* wt,
                        const float* bias, bool first) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      outer_tile<MR, NV>(x, K, wt, ldw, out, N, bias, first, nullptr);
+      outer_tile<MR, NV>(x, K, wt, ldw, out, N, bias, first);
     } else {
       outer_rows<NV, MR - 1>(rows, x, K, wt, ldw, out, N, bias, first);
     }
@@ -72,23 +70,23 @@ inline void outer_rows(int64_t rows, const float* x, int64_t K, const float* wt,
 // One panel of NV * 16 columns for all M rows, MR rows a tile (at most 24 accumulators, 8 rows).
 template <int NV>
 inline void outer_panel(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, float* out, int64_t N,
-                        const float* bias, const float* next) {
+                        const float* bias) {
   constexpr int MR = std::min(8, 24 / NV);
   int64_t m0 = 0;
   for (int tile = 0; m0 + MR <= M; m0 += MR, ++tile)
-    outer_tile<MR, NV>(x + m0 * K, K, wt, ldw, out + m0 * N, N, bias, tile == 0, tile == 1 ? next : nullptr);
+    outer_tile<MR, NV>(x + m0 * K, K, wt, ldw, out + m0 * N, N, bias, tile == 0);
   if (m0 < M) outer_rows<NV, MR - 1>(M - m0, x + m0 * K, K, wt, ldw, out + m0 * N, N, bias, m0 == 0);
 }
 
 // A panel of `vectors` (<= NV) vectors of 16 columns: dispatch on its width.
 template <int NV>
 inline void outer_panel_width(int64_t vectors, const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw,
-                              float* out, int64_t N, const float* bias, const float* next) {
+                              float* out, int64_t N, const float* bias) {
   if constexpr (NV > 0) {
     if (vectors == NV) {
-      outer_panel<NV>(x, M, K, wt, ldw, out, N, bias, next);
+      outer_panel<NV>(x, M, K, wt, ldw, out, N, bias);
     } else {
-      outer_panel_width<NV - 1>(vectors, x, M, K, wt, ldw, out, N, bias, next);
+      outer_panel_width<NV - 1>(vectors, x, M, K, wt, ldw, out, N, bias);
     }
   }
 }
@@ -97,13 +95,11 @@ inline void outer_panel_width(int64_t vectors, const float* x, int64_t M, int64_
 template <int NV>
 void outer_linear(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, int64_t N, const float* bias,
                   float* out) {
-  constexpr int64_t NR = NV * 16;
   const int64_t vectors = N / 16;
   const int threads = worth_threads(N * K) ? omp_get_max_threads() : 1;
-  auto panel = [&](int64_t v, int64_t width, bool has_next) {
+  auto panel = [&](int64_t v, int64_t width) {
     const int64_t n0 = v * 16;
-    outer_panel_width<NV>(width, x, M, K, wt + n0, ldw, out + n0, N, bias != nullptr ? bias + n0 : nullptr,
-                          has_next ? wt + n0 + NR : nullptr);
+    outer_panel_width<NV>(width, x, M, K, wt + n0, ldw, out + n0, N, bias != nullptr ? bias + n0 : nullptr);
   };
   if (M < 16) {
     // The weights stream from memory: each thread an equal share of the columns (to 16), so equal
@@ -113,13 +109,13 @@ void outer_linear(const float* x, int64_t M, int64_t K, const float* wt, int64_t
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       const int64_t v0 = vectors * t / nt, v1 = vectors * (t + 1) / nt;
-      for (int64_t v = v0; v < v1; v += NV) panel(v, std::min<int64_t>(NV, v1 - v), v + NV < v1);
+      for (int64_t v = v0; v < v1; v += NV) panel(v, std::min<int64_t>(NV, v1 - v));
     }
   } else {
     // Compute-bound: panels handed out guided (a thread that loses its core holds back no fixed half).
     const int64_t panels = (vectors + NV - 1) / NV;
 #pragma omp parallel for schedule(guided) num_threads(threads)
-    for (int64_t p = 0; p < panels; ++p) panel(p * NV, std::min<int64_t>(NV, vectors - p * NV), p + 1 < panels);
+    for (int64_t p = 0; p < panels; ++p) panel(p * NV, std::min<int64_t>(NV, vectors - p * NV));
   }
 }
 #endif
