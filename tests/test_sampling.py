@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 import torch
 
-from kvpager.sampling import Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator
+from kvpager.sampling import (
+    Sampler,
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    make_generator,
+    row_argmax,
+)
 from kvpager.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -260,3 +268,28 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_k(device: str) -> None:
 def test_shape_mismatch_raises_value_error() -> None:
     with pytest.raises(ValueError, match="len\\(rows\\)"):
         Sampler().sample(torch.zeros(2, 5), _rows(SamplingParams(), 3))
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 1000, 4096, 7, 320])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_row_argmax_equals_torch_argmax(rows: int, vocab: int) -> None:
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab + rows))
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+
+
+def test_row_argmax_keeps_torch_ties_nan_and_all_minus_inf() -> None:
+    x = torch.zeros(6, 4096)
+    x[1, 3000] = x[1, 5] = 2.0  # tie across chunks: the first
+    x[2, 1030] = x[2, 1029] = 1.0  # tie inside a chunk: the first
+    x[3, 2000] = float("nan")
+    x[3, 100] = 5.0
+    x[3, 4000] = float("nan")  # NaN wins, the first NaN
+    x[4] = float("-inf")  # all -inf: index 0
+    x[5, 4095] = 1.0  # the very last column
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(x).tolist() == [0, 5, 1029, 2000, 0, 4095]
+
+
+def test_row_argmax_reads_a_non_contiguous_batch() -> None:
+    x = torch.randn(8, 8192, generator=torch.Generator().manual_seed(0))[::2]
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
