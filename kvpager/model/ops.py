@@ -163,7 +163,8 @@ class CpuKernelOps(TorchOps):
         self._decode_layers = kernels.fn("kvp_decode_layers")
         self._prefill_attention = kernels.fn("kvp_prefill_attention")
         # NOTE: the layer table holds raw addresses: keep the modules alive alongside it.
-        self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None]] = {}
+        # id(layers) -> (layers, their table or None, whether every weight in it is column-major)
+        self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None, bool]] = {}
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
         # identifies the step; holding it keeps its id from being reused).
@@ -210,7 +211,7 @@ class CpuKernelOps(TorchOps):
         # NOTE: the kernel trusts these shapes with raw pointers: refuse anything inconsistent.
         if (
             table is None
-            or rows > self._fused_max_rows(table)
+            or rows > self._fused_max_rows(layers)
             or table.shape[0] != num_layers
             or (num_kv_heads, head_dim, x.shape[1]) != (spec.num_kv_heads, spec.head_dim, spec.hidden_size)
         ):
@@ -248,14 +249,12 @@ class CpuKernelOps(TorchOps):
         )
         return x, residual
 
-    def _fused_max_rows(self, table: torch.Tensor) -> int:
-        """The most rows the fused stack takes over `table`'s weights: up to COLUMN_MAJOR_LINEAR_MAX_ROWS
+    def _fused_max_rows(self, layers: Sequence[Any]) -> int:
+        """The most rows the fused stack takes over the weights of `layers` (after `_layer_table`): up to COLUMN_MAJOR_LINEAR_MAX_ROWS
         when every weight is column-major, except at "medium" precision with the bfloat16 linear (faster
         above SMALL_BATCH_LINEAR rows); SMALL_BATCH_LINEAR otherwise. Measured, 64 sequences, fused vs
         per layer: 181.5 vs 200.4 ms (SmolLM2 shape), 58.4 vs 64.5 ms (llama-small); 48: 138.0 vs 144.4."""
-        if bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all()) and not (
-            self._bf16_linear is not None and _medium_precision()
-        ):
+        if self._tables[id(layers)][2] and not (self._bf16_linear is not None and _medium_precision()):
             return COLUMN_MAJOR_LINEAR_MAX_ROWS
         return SMALL_BATCH_LINEAR
 
@@ -265,7 +264,9 @@ class CpuKernelOps(TorchOps):
         eps differ (then the layers run one by one)."""
         key = id(layers)
         if key not in self._tables:
-            self._tables[key] = (layers, _build_layer_table(layers, eps))
+            table = _build_layer_table(layers, eps)
+            all_column_major = table is not None and bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
+            self._tables[key] = (layers, table, all_column_major)
         return self._tables[key][1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
