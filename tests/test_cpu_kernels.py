@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvpager.kernels.build import KernelLibrary, load_cpu_kernels
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
 from kvpager.model.ops import (
-    COLUMN_MAJOR_LINEAR_MAX_ROWS,
+    BLOCKED_KERNEL_MAX_ROWS,
     DECODE_PARTITION,
     PREFILL_KERNEL_MAX_CONTEXT,
     SMALL_BATCH_LINEAR,
@@ -27,13 +27,14 @@ from kvpager.model.ops import (
     TorchOps,
     select_ops,
 )
-from kvpager.model.weight_layout import column_major_ld, padded_ld, to_column_major
+from kvpager.model.weight_layout import block_stride, blocked_stride, to_blocked
 
 REL = 1e-5
 REF = TorchOps()
 KERNELS = (
     "_linear_small",
-    "_linear_t",
+    "_linear_b",
+    "_unblock",
     "_rms_norm",
     "_add_rms_norm",
     "_silu_mul",
@@ -122,28 +123,48 @@ def test_linear_with_a_3d_input_falls_back_to_torch(kops: SpyOps) -> None:
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize(
     "in_features,out_features",
-    [(37, 16), (64, 48), (576, 960), (100, 80), (33, 400), (16, 20)],
-    ids=["one_vector", "one_panel", "qkv", "partial_panel", "wide_partial", "not_16"],
+    [(37, 16), (64, 48), (576, 960), (100, 80), (33, 400)],
+    ids=["one_vector", "one_panel", "qkv", "partial_panel", "wide_partial"],
 )
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33, 63, 64])
-def test_column_major_linear_matches_torch(
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33, 63, 64, 257])
+def test_blocked_linear_matches_torch(
     kops: SpyOps, threads: int, rows: int, in_features: int, out_features: int, bias: bool
 ) -> None:
     # every panel shape (1-3, 4, 5-6, 7-15 rows and from 16), row tail and column tail (panels of 128 and
-    # 48 columns, a last narrower panel, a width that is no multiple of 16)
+    # 48 columns, a last narrower panel), and a second row chunk (257 rows)
     x, w = _randn(rows, in_features, seed=rows), _randn(out_features, in_features, seed=100)
     b = _randn(out_features, seed=200) if bias else None
-    wt = to_column_major(w)
-    assert torch.equal(wt, w) and column_major_ld(wt) == padded_ld(out_features)
-    _assert_close(kops.linear(x, wt, b), F.linear(x, w, b))
-    assert kops.calls["_linear_t"] == 1 and kops.calls["_linear_small"] == 0
+    wb = to_blocked(w)
+    assert blocked_stride(wb) == block_stride(in_features)
+    _assert_close(kops.linear(x, wb, b), F.linear(x, w, b))
+    assert kops.calls["_linear_b"] == 1 and kops.calls["_linear_small"] == 0
 
 
-def test_column_major_linear_above_the_row_limit_runs_in_torch_on_the_same_buffer(kops: SpyOps) -> None:
-    rows = COLUMN_MAJOR_LINEAR_MAX_ROWS + 1
+def test_blocked_linear_takes_strided_and_batched_inputs(kops: SpyOps) -> None:
+    w, b = _randn(96, 40, seed=1), _randn(96, seed=2)
+    x = _randn(40, 6, seed=3).t()  # [6, 40], not contiguous
+    _assert_close(kops.linear(x, to_blocked(w), b), F.linear(x, w, b))
+    x3 = _randn(2, 3, 40, seed=4)
+    _assert_close(kops.linear(x3, to_blocked(w), None), F.linear(x3, w))
+    assert kops.calls["_linear_b"] == 2
+
+
+def test_blocked_linear_above_the_row_limit_runs_in_torch_on_an_unblocked_copy(kops: SpyOps) -> None:
+    rows = BLOCKED_KERNEL_MAX_ROWS + 1
     x, w, b = _randn(rows, 64, seed=1), _randn(96, 64, seed=2), _randn(96, seed=3)
-    _assert_close(kops.linear(x, to_column_major(w), b), F.linear(x, w, b))
-    assert kops.calls["_linear_t"] == 0
+    wb = to_blocked(w)
+    _assert_close(kops.linear(x, wb, b), F.linear(x, w, b))
+    _assert_close(
+        kops.linear(x[:, :48].contiguous(), to_blocked(w[:48, :48].contiguous()), None),
+        F.linear(x[:, :48], w[:48, :48]),
+    )
+    assert kops.calls["_linear_b"] == 0 and kops.calls["_unblock"] == 2
+
+
+def test_row_major_linear_of_a_width_the_blocks_cannot_hold_runs_the_dot_product_kernel(kops: SpyOps) -> None:
+    x, w, b = _randn(5, 33, seed=1), _randn(20, 33, seed=2), _randn(20, seed=3)
+    _assert_close(kops.linear(x, w, b), F.linear(x, w, b))
+    assert kops.calls["_linear_small"] == 1
 
 
 def test_linear_threaded_path_matches_torch(kops: SpyOps, threads: int) -> None:

@@ -30,7 +30,7 @@ from kvpager.model import (
 )
 from kvpager.model.llama import CausalLM
 from kvpager.model.precision import fp32_matmul_precision
-from kvpager.model.weight_layout import column_major_ld
+from kvpager.model.weight_layout import blocked_stride, logical_shape
 
 ATOL = 1e-4
 BF16_KV_ATOL = 1e-3
@@ -230,19 +230,19 @@ def test_decode_only_steps_match_transformers_through_the_fused_layer_stack(
             _assert_close(out, pair.reference(full)[-1:])
     # the prefill step runs layer by layer; the decode-only steps in one kernel call with the kernels
     assert fused_calls == [False] + [KERNEL_BACKENDS[kernel_backend] == "cpu"] * 4
-    # with the kernels' AVX-512 linear the layers' weights are column-major (the fused stack read them so)
-    column_major = KERNEL_BACKENDS[kernel_backend] == "cpu" and pair.model.ops._column_major
+    # with the kernels' AVX-512 linear the layers' weights are in column blocks (the fused stack read them so)
+    blocked = KERNEL_BACKENDS[kernel_backend] == "cpu" and pair.model.ops._blocked
     for layer in pair.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert (column_major_ld(linear.weight) > 0) == (column_major and linear.weight.shape[0] % 16 == 0)
+            assert (blocked_stride(linear.weight) > 0) == (blocked and logical_shape(linear.weight)[0] % 16 == 0)
 
 
-def test_fused_layer_stack_takes_up_to_64_decode_rows_over_column_major_weights(
+def test_fused_layer_stack_takes_up_to_64_decode_rows_over_blocked_weights(
     pairs: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pair = pairs("llama_gqa", "auto")
-    if not (pair.model.ops.name == "cpu" and pair.model.ops._column_major):
-        pytest.skip("needs the AVX-512 column-major linear (this CPU lacks AVX-512)")
+    if not (pair.model.ops.name == "cpu" and pair.model.ops._blocked):
+        pytest.skip("needs the AVX-512 blocked linear (this CPU lacks AVX-512)")
     fused_calls = _spy_fused_calls(pair.model, monkeypatch)
     prompts = _prompts(pair.spec.vocab_size, [3] * 65, seed=11)
     extra = _prompts(pair.spec.vocab_size, [1] * 65, seed=12)
@@ -348,8 +348,8 @@ def test_dummy_load_needs_only_config_and_is_deterministic(tmp_path: Path, llama
     other_seed = load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy", seed=1)
     spec = first.spec
     qkv = first.layers[0].self_attn.qkv_proj.weight
-    assert qkv.shape == (spec.q_size + 2 * spec.kv_size, spec.hidden_size)
-    assert first.lm_head.weight.shape == (spec.vocab_size, spec.hidden_size)
+    assert logical_shape(qkv) == (spec.q_size + 2 * spec.kv_size, spec.hidden_size)
+    assert logical_shape(first.lm_head.weight) == (spec.vocab_size, spec.hidden_size)
     assert 0.015 < qkv.std().item() < 0.025
     assert torch.equal(first.norm.weight, torch.ones(spec.hidden_size))
     assert all(torch.equal(t, second.state_dict()[n]) for n, t in first.state_dict().items())

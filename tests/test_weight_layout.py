@@ -1,41 +1,57 @@
-"""Column-major linear weights (kvpager.model.weight_layout): same values, a layout torch and the kernels read."""
+"""Linear weights in column blocks (kvpager.model.weight_layout): the same values, a layout the kernels read."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpager.model.weight_layout import (
-    FLOATS_PER_LINE,
-    column_major_ld,
+    BLOCK,
+    block_stride,
+    blocked_stride,
     convert_linear_weights,
-    padded_ld,
-    to_column_major,
+    embedding_rows,
+    logical_shape,
+    to_blocked,
+    unblocked,
 )
 
 
-@pytest.mark.parametrize("out_features", [16, 48, 576, 960, 1008, 3072, 32000, 49152])
-def test_padded_row_length_is_an_odd_number_of_lines_past_the_width(out_features: int) -> None:
-    ld = padded_ld(out_features)
-    assert ld > out_features and ld % FLOATS_PER_LINE == 0 and (ld // FLOATS_PER_LINE) % 2 == 1
+@pytest.mark.parametrize("in_features", [1, 7, 40, 576, 1536, 4096])
+def test_block_stride_is_an_odd_number_of_lines_past_the_block(in_features: int) -> None:
+    stride = block_stride(in_features)
+    assert stride > in_features * BLOCK and stride % BLOCK == 0 and (stride // BLOCK) % 2 == 1
 
 
-def test_column_major_copy_has_the_same_values_and_torch_computes_the_same_linear() -> None:
-    w = torch.randn(96, 40, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
-    wt = to_column_major(w)
-    assert wt.shape == w.shape and torch.equal(wt, w)
-    assert wt.stride() == (1, padded_ld(96)) and column_major_ld(wt) == padded_ld(96)
-    torch.testing.assert_close(F.linear(x, wt), F.linear(x, w))
+def test_blocks_hold_sixteen_output_columns_one_line_per_input_feature() -> None:
+    w = torch.randn(48, 40, generator=torch.Generator().manual_seed(0))
+    wb = to_blocked(w)
+    assert wb.shape == (3, 40, BLOCK) and wb.stride() == (block_stride(40), BLOCK, 1)
+    assert blocked_stride(wb) == block_stride(40) and logical_shape(wb) == (48, 40)
+    flat = torch.as_strided(wb, (wb.stride(0) * 3,), (1,))  # the buffer, padding included
+    assert torch.equal(flat[block_stride(40) + 5 * BLOCK + 3], w[BLOCK + 3, 5])  # block 1, feature 5, column 3
+    assert torch.equal(unblocked(wb), w) and unblocked(w) is w
 
 
-def test_row_major_and_other_tensors_are_not_column_major() -> None:
-    assert column_major_ld(torch.zeros(96, 40)) == 0
-    assert column_major_ld(torch.zeros(96, 40, dtype=torch.bfloat16).t().contiguous().t()) == 0
-    assert column_major_ld(torch.zeros(4, 96, 40)) == 0
-    assert column_major_ld(torch.zeros(96, 1)) == 0
+def test_other_tensors_are_not_blocked() -> None:
+    assert blocked_stride(torch.zeros(96, 40)) == 0
+    assert blocked_stride(torch.zeros(6, 40, 16, dtype=torch.bfloat16)) == 0
+    assert blocked_stride(torch.zeros(6, 40, 8)) == 0
+    assert blocked_stride(torch.zeros(6, 16, 40).transpose(1, 2)) == 0
+    assert logical_shape(torch.zeros(96, 40)) == (96, 40)
+
+
+def test_a_width_that_is_no_multiple_of_sixteen_is_refused() -> None:
+    with pytest.raises(ValueError, match="divisible by 16"):
+        to_blocked(torch.zeros(20, 8))
+
+
+def test_embedding_rows_are_the_same_in_either_layout() -> None:
+    table = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([0, 15, 16, 63, 5, 5])
+    assert torch.equal(embedding_rows(to_blocked(table), ids), table[ids])
+    assert torch.equal(embedding_rows(table, ids), table[ids])
 
 
 class _Tied(nn.Module):
@@ -52,18 +68,17 @@ def test_convert_keeps_tied_weights_shared_and_skips_widths_the_kernel_cannot_ti
     model = _Tied()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     ids = torch.tensor([0, 5, 63, 5])
-    looked_up = model.embed(ids)
     assert convert_linear_weights(model) == 2
-    assert column_major_ld(model.proj.weight) == padded_ld(48)
-    assert column_major_ld(model.odd.weight) == 0
-    # the tied head and the embedding: one column-major tensor, the lookup unchanged
-    assert model.head.weight is model.embed.weight and column_major_ld(model.head.weight) == padded_ld(64)
-    assert torch.equal(model.embed(ids), looked_up)
+    assert blocked_stride(model.proj.weight) == block_stride(32)
+    assert blocked_stride(model.odd.weight) == 0
+    # the tied head and the embedding: one blocked tensor, the lookup unchanged
+    assert model.head.weight is model.embed.weight and blocked_stride(model.head.weight) > 0
+    assert torch.equal(embedding_rows(model.embed.weight, ids), before["embed.weight"][ids])
     for name, p in model.named_parameters():
-        assert torch.equal(p, before[name]), name
+        assert torch.equal(unblocked(p), before[name]), name
 
 
 def test_an_embedding_without_a_linear_stays_row_major() -> None:
     model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 16))
     assert convert_linear_weights(model) == 1
-    assert column_major_ld(model[0].weight) == 0 and column_major_ld(model[1].weight) > 0
+    assert blocked_stride(model[0].weight) == 0 and blocked_stride(model[1].weight) > 0

@@ -41,8 +41,9 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
     "kvp_set_num_threads": (_I,),
     "kvp_max_threads": (),
     "kvp_linear_small": (_P, _I, _I, _P, _I, _P, _P),
-    "kvp_linear_t": (_P, _I, _I, _P, _I, _I, _P, _P),
-    "kvp_linear_t_fast": (),
+    "kvp_linear_b": (_P, _I, _I, _P, _I, _I, _P, _P),
+    "kvp_linear_b_fast": (),
+    "kvp_unblock": (_P, _I, _I, _I, _P),
     "kvp_rms_norm": (_P, _I, _P, _P, _I, _I, _I, _F),
     "kvp_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "kvp_silu_mul": (_P, _P, _I, _I),
@@ -77,7 +78,7 @@ SIGNATURES: dict[str, tuple[object, ...]] = {
     "kvp_paged_decode": (_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _F, _I, _I),
     "kvp_prefill_attention": (_P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _F, _I),
 }
-RETURNS_INT = ("kvp_max_threads", "kvp_prefill_attention", "kvp_linear_t_fast")  # the others return nothing
+RETURNS_INT = ("kvp_max_threads", "kvp_prefill_attention", "kvp_linear_b_fast")  # the others return nothing
 
 
 @dataclass(frozen=True)

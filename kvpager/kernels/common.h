@@ -123,7 +123,7 @@ extern "C" {
 void kvp_set_num_threads(int64_t n);
 int64_t kvp_max_threads();
 void kvp_linear_small(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out);
-void kvp_linear_t(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, int64_t N, const float* bias,
+void kvp_linear_b(const float* x, int64_t M, int64_t K, const float* wb, int64_t bs, int64_t N, const float* bias,
                   float* out);
 void kvp_rms_norm(const float* x, int64_t x_stride, const float* w, float* out, int64_t out_stride, int64_t rows,
                   int64_t dim, float eps);

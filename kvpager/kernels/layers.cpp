@@ -206,8 +206,8 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // the per-op path calls from Python, in the same order, without ~9 Python/ctypes round trips per
 // layer. `layers` holds, per layer, 12 addresses (0 = absent): input norm, qkv weight, qkv bias,
 // o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight, down bias,
-// q norm, k norm; then the leading dimensions of the qkv, o, gate_up and down weights when they are
-// stored column-major (kvp_linear_t), 0 when they are torch's row-major [N, K] (kvp_linear_small).
+// q norm, k norm; then the block strides of the qkv, o, gate_up and down weights when they are
+// stored in column blocks (kvp_linear_b), 0 when they are torch's row-major [N, K] (kvp_linear_small).
 // On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
@@ -226,9 +226,9 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   float* act = gate_up + M * 2 * inter;
   float* h = act + M * inter;
   auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
-  auto linear = [&](const float* in, int64_t K, int64_t w, int64_t ldw, int64_t N, int64_t bias, float* out) {
-    if (ldw > 0) {
-      kvp_linear_t(in, M, K, f(w), ldw, N, f(bias), out);
+  auto linear = [&](const float* in, int64_t K, int64_t w, int64_t bs, int64_t N, int64_t bias, float* out) {
+    if (bs > 0) {
+      kvp_linear_b(in, M, K, f(w), bs, N, f(bias), out);
     } else {
       kvp_linear_small(in, M, K, f(w), N, f(bias), out);
     }

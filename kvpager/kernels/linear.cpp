@@ -1,48 +1,48 @@
-// kvpager CPU kernels: linear layers on weights stored column-major (see kvpager/model/weight_layout.py).
+// kvpager CPU kernels: linear layers on weights stored in column blocks (see kvpager/model/weight_layout.py).
 //
-// The weight of out = x @ w.T is kept as wt[k * ldw + n] = w[n, k]: torch sees a [N, K] view with
-// strides (1, ldw) and runs its own GEMM on it unchanged (large batches), and this kernel computes
-// outer products: a tile of MR input rows x NV * 16 output columns stays in registers over the whole
-// of K, each step loads NV vectors of one weight row and broadcasts MR inputs. Against the
+// The weight of out = x @ w.T is kept as blocks of 16 output columns, block b at wb + b * bs holding
+// w[16b + i, k] at k * 16 + i: for each input feature one 64-byte line. The kernel computes outer
+// products: a tile of MR input rows x NV * 16 output columns stays in registers over the whole of K,
+// each step loads NV vectors (one line of each of NV blocks) and broadcasts MR inputs. Against the
 // dot-product tile of kvp_linear_small (torch's row-major weights) that is a third of the loads per
-// multiply-add at 8+ rows. ldw is padded past N so that successive weight rows do not fall into the
-// same cache sets.
+// multiply-add at 8+ rows, and a panel's weights are NV sequential streams.
 #include "common.h"
 
 namespace {
 
 using kvp::worth_threads;
 
-#if defined(__AVX512F__)
-// Weight rows are prefetched ~4 KB ahead into L1 and 4x that into L2 while a panel is first read (from
-// memory): a panel walks one row per page, which the hardware prefetchers do not follow. Measured over
-// 30 streamed SmolLM2 layers at 4 rows: 0.91-0.94x kvp_linear_small with the L1 prefetch alone,
-// 1.04-1.08x with both.
-constexpr int64_t kPrefetchLines = 64;
-constexpr int64_t kFarPrefetch = 4;
+// Row chunks of a large batch: the inputs of a chunk stay in L2 while every panel passes over them
+// (measured 1.1x unchunked at 256-2,048 rows).
+constexpr int64_t kRowChunk = 256;
 
-// out[0..MR)[0..NV*16) = x[0..MR) . wt columns (+ bias); x rows K apart, out rows N apart.
-// first: this tile is the panel's first pass (prefetch its rows ahead; the later tiles find them in
-// cache). NOTE: also pulling the next panel into L2 during the second tile was measured 2-15 %
-// slower at 8-64 rows than not, and dropped.
+#if defined(__AVX512F__)
+// While a panel is first read (from memory) each block stream is prefetched kPrefetchLines lines
+// ahead, into L1 and again into L2. Measured over 30 streamed SmolLM2 layers against no prefetch:
+// 1.13x at 1 row, 1.0-1.1x at 4-64; the second (L2) hint on the same line 1.1x at 1 row, no
+// difference elsewhere; 16 or 64 lines ahead, or the L2 hint further out, no better.
+constexpr int64_t kPrefetchLines = 32;
+// out[0..MR)[0..NV*16) = x[0..MR) . the NV blocks at wb, bs apart (+ bias); x rows K apart, out rows
+// N apart. first: this tile is the panel's first pass (prefetch ahead; the later tiles find the panel
+// in cache). NOTE: also pulling the next panel into L2 during the second tile was measured 2-15 %
+// slower at 8-64 rows than not (column-major layout), and dropped.
 template <int MR, int NV>
-inline void outer_tile(const float* __restrict x, int64_t K, const float* __restrict wt, int64_t ldw,
+inline void outer_tile(const float* __restrict x, int64_t K, const float* __restrict wb, int64_t bs,
                        float* __restrict out, int64_t N, const float* __restrict bias, bool first) {
-  constexpr int64_t pf = std::max<int64_t>(4, kPrefetchLines / NV);  // rows
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const float* row = wt + k * ldw;
-    if (first) {
-      if (k + pf < K)
-        for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + pf * ldw + j * 16), _MM_HINT_T0);
-      if (k + kFarPrefetch * pf < K)
-        for (int j = 0; j < NV; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(row + kFarPrefetch * pf * ldw + j * 16), _MM_HINT_T1);
+    const float* line = wb + k * 16;
+    if (first && k + kPrefetchLines < K) {
+      for (int j = 0; j < NV; ++j) {
+        const char* ahead = reinterpret_cast<const char*>(line + kPrefetchLines * 16 + j * bs);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead, _MM_HINT_T1);
+      }
     }
     __m512 b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_ps(row + j * 16);
+    for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_ps(line + j * bs);
     for (int m = 0; m < MR; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * K + k]);
       for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_fmadd_ps(a, b[j], acc[m][j]);
@@ -56,50 +56,50 @@ inline void outer_tile(const float* __restrict x, int64_t K, const float* __rest
 
 // The last rows of a panel (fewer than a full tile): the tile of exactly `rows` rows.
 template <int NV, int MR>
-inline void outer_rows(int64_t rows, const float* x, int64_t K, const float* wt, int64_t ldw, float* out, int64_t N,
+inline void outer_rows(int64_t rows, const float* x, int64_t K, const float* wb, int64_t bs, float* out, int64_t N,
                        const float* bias, bool first) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      outer_tile<MR, NV>(x, K, wt, ldw, out, N, bias, first);
+      outer_tile<MR, NV>(x, K, wb, bs, out, N, bias, first);
     } else {
-      outer_rows<NV, MR - 1>(rows, x, K, wt, ldw, out, N, bias, first);
+      outer_rows<NV, MR - 1>(rows, x, K, wb, bs, out, N, bias, first);
     }
   }
 }
 
 // One panel of NV * 16 columns for all M rows, MR rows a tile (at most 24 accumulators, 8 rows).
 template <int NV>
-inline void outer_panel(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, float* out, int64_t N,
+inline void outer_panel(const float* x, int64_t M, int64_t K, const float* wb, int64_t bs, float* out, int64_t N,
                         const float* bias) {
   constexpr int MR = std::min(8, 24 / NV);
   int64_t m0 = 0;
   for (int tile = 0; m0 + MR <= M; m0 += MR, ++tile)
-    outer_tile<MR, NV>(x + m0 * K, K, wt, ldw, out + m0 * N, N, bias, tile == 0);
-  if (m0 < M) outer_rows<NV, MR - 1>(M - m0, x + m0 * K, K, wt, ldw, out + m0 * N, N, bias, m0 == 0);
+    outer_tile<MR, NV>(x + m0 * K, K, wb, bs, out + m0 * N, N, bias, tile == 0);
+  if (m0 < M) outer_rows<NV, MR - 1>(M - m0, x + m0 * K, K, wb, bs, out + m0 * N, N, bias, m0 == 0);
 }
 
 // A panel of `vectors` (<= NV) vectors of 16 columns: dispatch on its width.
 template <int NV>
-inline void outer_panel_width(int64_t vectors, const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw,
+inline void outer_panel_width(int64_t vectors, const float* x, int64_t M, int64_t K, const float* wb, int64_t bs,
                               float* out, int64_t N, const float* bias) {
   if constexpr (NV > 0) {
     if (vectors == NV) {
-      outer_panel<NV>(x, M, K, wt, ldw, out, N, bias);
+      outer_panel<NV>(x, M, K, wb, bs, out, N, bias);
     } else {
-      outer_panel_width<NV - 1>(vectors, x, M, K, wt, ldw, out, N, bias);
+      outer_panel_width<NV - 1>(vectors, x, M, K, wb, bs, out, N, bias);
     }
   }
 }
 
 // Columns in panels of NV vectors (N a multiple of 16).
 template <int NV>
-void outer_linear(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, int64_t N, const float* bias,
+void outer_linear(const float* x, int64_t M, int64_t K, const float* wb, int64_t bs, int64_t N, const float* bias,
                   float* out) {
   const int64_t vectors = N / 16;
   const int threads = worth_threads(N * K) ? omp_get_max_threads() : 1;
   auto panel = [&](int64_t v, int64_t width) {
     const int64_t n0 = v * 16;
-    outer_panel_width<NV>(width, x, M, K, wt + n0, ldw, out + n0, N, bias != nullptr ? bias + n0 : nullptr);
+    outer_panel_width<NV>(width, x, M, K, wb + v * bs, bs, out + n0, N, bias != nullptr ? bias + n0 : nullptr);
   };
   if (M < 16) {
     // The weights stream from memory: each thread an equal share of the columns (to 16), so equal
@@ -124,8 +124,8 @@ void outer_linear(const float* x, int64_t M, int64_t K, const float* wt, int64_t
 
 extern "C" {
 
-// 1 when kvp_linear_t runs the AVX-512 outer-product tiles (the column-major layout only pays off then).
-int64_t kvp_linear_t_fast() {
+// 1 when kvp_linear_b runs the AVX-512 outer-product tiles (the column blocks only pay off then).
+int64_t kvp_linear_b_fast() {
 #if defined(__AVX512F__)
   return 1;
 #else
@@ -133,41 +133,58 @@ int64_t kvp_linear_t_fast() {
 #endif
 }
 
-// out[m, n] = sum_k x[m, k] * wt[k * ldw + n] (+ bias[n]) for x [M, K] row-major, ldw >= N.
-void kvp_linear_t(const float* x, int64_t M, int64_t K, const float* wt, int64_t ldw, int64_t N, const float* bias,
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for x [M, K] row-major and w in column blocks of
+// 16 (N a multiple of 16), block b at wb + b * bs.
+void kvp_linear_b(const float* x, int64_t M, int64_t K, const float* wb, int64_t bs, int64_t N, const float* bias,
                   float* out) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, M - m0);
+    const float* xc = x + m0 * K;
+    float* oc = out + m0 * N;
 #if defined(__AVX512F__)
-  if (N % 16 == 0) {
-    // The widest panel whose tile of all M rows (up to 8) fits 24 accumulators, so that below 8 rows
+    // The widest panel whose tile of all rows (up to 8) fits 24 accumulators, so that below 8 rows
     // the weights are read once: 1-3 rows 128 columns, 4 rows 96, 5-6 rows 64; 7-15 rows 96 columns
     // 4 rows a tile (the second tile reads the panel from L2); from 16 rows 48 columns, 8 rows a tile.
-    // Measured against kvp_linear_small over 30 SmolLM2 layers: 1.0-1.08x at 1-8 rows, 1.03-1.06x
-    // at 12, 1.19x at 16, 1.25x at 32, 1.31x at 64.
-    if (M <= 3) {
-      outer_linear<8>(x, M, K, wt, ldw, N, bias, out);
-    } else if (M == 4) {
-      outer_linear<6>(x, M, K, wt, ldw, N, bias, out);
-    } else if (M <= 6) {
-      outer_linear<4>(x, M, K, wt, ldw, N, bias, out);
-    } else if (M < 16) {
-      outer_linear<6>(x, M, K, wt, ldw, N, bias, out);
+    if (rows <= 3) {
+      outer_linear<8>(xc, rows, K, wb, bs, N, bias, oc);
+    } else if (rows == 4) {
+      outer_linear<6>(xc, rows, K, wb, bs, N, bias, oc);
+    } else if (rows <= 6) {
+      outer_linear<4>(xc, rows, K, wb, bs, N, bias, oc);
+    } else if (rows < 16) {
+      outer_linear<6>(xc, rows, K, wb, bs, N, bias, oc);
     } else {
-      outer_linear<3>(x, M, K, wt, ldw, N, bias, out);
+      outer_linear<3>(xc, rows, K, wb, bs, N, bias, oc);
     }
-    return;
-  }
-#endif
-  // Any width, any CPU: the same outer products, vectorised over the output columns by the compiler.
+#else
+    // Any CPU: the same outer products, 16 columns at a time, vectorised by the compiler.
 #pragma omp parallel for if (worth_threads(N * K))
-  for (int64_t m = 0; m < M; ++m) {
-    float* o = out + m * N;
-    for (int64_t n = 0; n < N; ++n) o[n] = bias != nullptr ? bias[n] : 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = x[m * K + k];
-      const float* row = wt + k * ldw;
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        float acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = bias != nullptr ? bias[n0 + i] : 0.f;
+        const float* block = wb + (n0 / 16) * bs;
+        for (int64_t k = 0; k < K; ++k) {
+          const float a = xc[m * K + k];
 #pragma omp simd
-      for (int64_t n = 0; n < N; ++n) o[n] += a * row[n];
+          for (int i = 0; i < 16; ++i) acc[i] += a * block[k * 16 + i];
+        }
+        for (int i = 0; i < 16; ++i) oc[m * N + n0 + i] = acc[i];
+      }
     }
+#endif
+  }
+}
+
+// out[k * N + n] = w[n, k]: a weight in column blocks copied out column-major ([K, N]; torch reads it
+// as the [N, K] matrix with strides (1, N)) for torch's GEMM on large batches. Lines are copied whole;
+// each thread takes whole blocks, read in order. Runs at the machine's copy bandwidth (30 SmolLM2
+// layers in 35 ms, ~2 % of a 2,048-token prefill step; tiling over K made no difference).
+void kvp_unblock(const float* wb, int64_t bs, int64_t N, int64_t K, float* out) {
+#pragma omp parallel for if (worth_threads(N * K))
+  for (int64_t b = 0; b < N / 16; ++b) {
+    const float* block = wb + b * bs;
+    for (int64_t k = 0; k < K; ++k) std::memcpy(out + k * N + b * 16, block + k * 16, 16 * sizeof(float));
   }
 }
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpager.model.weight_layout import unblocked
+
 PACK_BATCH_HINT = 64  # the row count oneDNN's packed layout is tuned for (any row count works)
 
 
@@ -38,7 +40,8 @@ def native_bf16_matmul_available() -> bool:
 
 
 class PackedBf16Linear:
-    """float32 x @ weight.T (+ bias) through a bfloat16 copy of `weight` packed once for oneDNN."""
+    """float32 x @ weight.T (+ bias) through a bfloat16 copy of `weight` (either layout of
+    kvpager.model.weight_layout) packed once for oneDNN."""
 
     def __init__(self) -> None:
         # NOTE: keyed by the weight's storage address; the float32 weight is kept alongside so the
@@ -48,7 +51,9 @@ class PackedBf16Linear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         entry = self._packed.get(weight.data_ptr())
         if entry is None or entry[0] is not weight:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), PACK_BATCH_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(
+                unblocked(weight).to(torch.bfloat16).contiguous(), PACK_BATCH_HINT
+            )
             entry = (weight, packed)
             self._packed[weight.data_ptr()] = entry
         out = torch.ops.mkldnn._linear_pointwise(

@@ -19,6 +19,7 @@ from kvpager.model.attention import AttentionMetadata
 from kvpager.model.ops import TorchOps
 from kvpager.model.rope import RopeCache
 from kvpager.model.spec import ModelSpec
+from kvpager.model.weight_layout import embedding_rows
 
 
 class RMSNorm(nn.Module):
@@ -150,7 +151,7 @@ class CausalLM(nn.Module):
         self._check_window(attn_metadata)
         self.ops.begin_step()
         cos, sin = self.rope.lookup(positions)  # each [T, 1, head_dim // 2]
-        x = self.embed_tokens(input_ids)
+        x = embedding_rows(self.embed_tokens.weight, input_ids)  # NOTE: the ops may store the table in blocks
         residual: torch.Tensor | None = None
         layers = cast(Sequence[Any], self.layers)  # a ModuleList: indexable, iterable
         fused = self.ops.decode_layers(layers, self.spec, x, cos, sin, kv_cache, attn_metadata)

@@ -4,9 +4,9 @@
 in kvpager's C++ kernels (kvpager/kernels/*.cpp) for float32 on CPU: RMSNorm and residual-add
 fused, SiLU·up fused, RoPE and the K/V cache write fused, decode and prefill attention that read
 K/V blocks in place instead of gathering every sequence's context into a padded tensor (prefill
-beyond PREFILL_KERNEL_MAX_CONTEXT in torch's SDPA), linear layers of small batches over weights it
-stores column-major at load (`prepare_weights`); a decode-only step of at most SMALL_BATCH_LINEAR
-rows runs every layer in one kernel call. Tests hold the two to each other and to transformers.
+beyond PREFILL_KERNEL_MAX_CONTEXT in torch's SDPA), linear layers over weights it stores in column
+blocks at load (`prepare_weights`, kvpager.model.weight_layout); a decode-only step of at most
+FUSED_MAX_ROWS rows runs every layer in one kernel call. Tests hold the two to each other and to transformers.
 
 `select_ops(backend, dtype, kv_dtype, device)` picks one: "torch", "cpu" (kernels, error if they cannot be
 built) or "auto" (kernels for a float32 model with a float32 or bfloat16 KV cache on CPU when a compiler is available,
@@ -28,7 +28,7 @@ from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_pr
 from kvpager.model.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
 from kvpager.model.rope import apply_rope
 from kvpager.model.spec import ModelSpec
-from kvpager.model.weight_layout import column_major_ld, convert_linear_weights
+from kvpager.model.weight_layout import BLOCK, blocked_stride, convert_linear_weights, unblocked
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +42,18 @@ DECODE_PARTITION = 256
 # 1.8x torch at 4-16 rows, 1.24x at 32, 1.07x at 48, 0.87x at 64. Decode-only steps of at most this
 # many rows run the whole layer stack in one kernel call.
 SMALL_BATCH_LINEAR = 32
-# A linear layer over weights stored column-major (kvpager.model.weight_layout) runs in the
-# outer-product kernel up to this many input rows, in torch's GEMM (on the same buffer) beyond.
-# Measured, 2 threads, 30 SmolLM2-shaped / 8 llama-small-shaped layers: torch / kernel 1.34 / 1.19
-# at 32 rows, 1.10-1.12 / 1.09-1.11 at 64, 1.11 / 0.98 at 80, 0.89-0.99 / 0.91 at 128.
-COLUMN_MAJOR_LINEAR_MAX_ROWS = 64
-# kvp_decode_layers' table: per layer LAYER_TABLE_ADDRESSES tensor addresses, then the leading
-# dimensions of the four weights (0 = row-major); LAYER_TABLE_WIDTH in all (kLayerTableWidth in C++).
+# A linear layer over weights stored in column blocks (kvpager.model.weight_layout) runs in the
+# outer-product kernel up to this many input rows; beyond, the weight is copied out column-major
+# into a scratch buffer (kvp_unblock) for torch's GEMM. Measured, 2 threads, 8 SmolLM2-shaped
+# layers, time torch (copy included) / kernel: 1.92 at 64 rows, 1.44-1.54 at 128-192, 1.27 at 256,
+# 1.07-1.10 at 384-512, 0.97-1.10 at 1,024, 0.89-0.91 at 2,048-4,096.
+BLOCKED_KERNEL_MAX_ROWS = 1024
+# Decode-only steps of at most this many rows run the whole layer stack in one kernel call when every
+# weight is in column blocks (SMALL_BATCH_LINEAR otherwise). Measured, 64 sequences, fused vs per
+# layer (column-major weights then): 181.5 vs 200.4 ms (SmolLM2 shape), 58.4 vs 64.5 (llama-small).
+FUSED_MAX_ROWS = 64
+# kvp_decode_layers' table: per layer LAYER_TABLE_ADDRESSES tensor addresses, then the block strides
+# of the four weights (0 = row-major); LAYER_TABLE_WIDTH in all (kLayerTableWidth in C++).
 LAYER_TABLE_ADDRESSES = 12
 LAYER_TABLE_WIDTH = 16
 # Prefill chunks attend in the kernel when the step's longest prefill context is at most this long,
@@ -152,8 +157,11 @@ class CpuKernelOps(TorchOps):
     def __init__(self, kernels: KernelLibrary) -> None:
         self.kernels = kernels
         self._linear_small = kernels.fn("kvp_linear_small")
-        self._linear_t = kernels.fn("kvp_linear_t")
-        self._column_major = bool(kernels.fn("kvp_linear_t_fast")())
+        self._linear_b = kernels.fn("kvp_linear_b")
+        self._unblock = kernels.fn("kvp_unblock")
+        self._blocked = bool(kernels.fn("kvp_linear_b_fast")())
+        # Column-major copies of blocked weights for torch's GEMM (large batches), reused call to call.
+        self._unblock_scratch = torch.empty(0, dtype=torch.float32)
         self._rms_norm = kernels.fn("kvp_rms_norm")
         self._add_rms_norm = kernels.fn("kvp_add_rms_norm")
         self._silu_mul = kernels.fn("kvp_silu_mul")
@@ -163,7 +171,7 @@ class CpuKernelOps(TorchOps):
         self._decode_layers = kernels.fn("kvp_decode_layers")
         self._prefill_attention = kernels.fn("kvp_prefill_attention")
         # NOTE: the layer table holds raw addresses: keep the modules alive alongside it.
-        # id(layers) -> (layers, their table or None, whether every weight in it is column-major)
+        # id(layers) -> (layers, their table or None, whether every weight in it is in column blocks)
         self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None, bool]] = {}
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
@@ -172,8 +180,8 @@ class CpuKernelOps(TorchOps):
         self._prefill_arrays: tuple[torch.Tensor, ...] = ()
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        # Linear weights column-major for the outer-product kernel (where it has its AVX-512 tiles).
-        if self._column_major:
+        # Linear weights in column blocks for the outer-product kernel (where it has its AVX-512 tiles).
+        if self._blocked:
             convert_linear_weights(model)
 
     def begin_step(self) -> None:
@@ -191,15 +199,15 @@ class CpuKernelOps(TorchOps):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # A decode-only step of at most SMALL_BATCH_LINEAR rows (COLUMN_MAJOR_LINEAR_MAX_ROWS when every
-        # weight is column-major): one kernel call for all layers instead of ~9 Python/ctypes calls per
+        # A decode-only step of at most SMALL_BATCH_LINEAR rows (FUSED_MAX_ROWS when every weight is
+        # in column blocks): one kernel call for all layers instead of ~9 Python/ctypes calls per
         # layer (measured: the calls cost more than the math at batch 1).
         dec, rows = meta.decode, x.shape[0]
         if (
             dec is None
             or meta.prefills
             or not dec.is_leading
-            or rows > COLUMN_MAJOR_LINEAR_MAX_ROWS
+            or rows > FUSED_MAX_ROWS
             or not (_f32(x) and _f32(cos) and _f32(sin) and _kv_ok(kv_cache))
             or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv_cache.is_contiguous())
             or dec.block_tables.dtype != torch.int64
@@ -250,27 +258,27 @@ class CpuKernelOps(TorchOps):
         return x, residual
 
     def _fused_max_rows(self, layers: Sequence[Any]) -> int:
-        """The most rows the fused stack takes over the weights of `layers` (after `_layer_table`): up to COLUMN_MAJOR_LINEAR_MAX_ROWS
-        when every weight is column-major, except at "medium" precision with the bfloat16 linear (faster
-        above SMALL_BATCH_LINEAR rows); SMALL_BATCH_LINEAR otherwise. Measured, 64 sequences, fused vs
-        per layer: 181.5 vs 200.4 ms (SmolLM2 shape), 58.4 vs 64.5 ms (llama-small); 48: 138.0 vs 144.4."""
+        """The most rows the fused stack takes over the weights of `layers` (after `_layer_table`):
+        FUSED_MAX_ROWS when every weight is in column blocks, except at "medium" precision with the
+        bfloat16 linear (faster above SMALL_BATCH_LINEAR rows); SMALL_BATCH_LINEAR otherwise."""
         if self._tables[id(layers)][2] and not (self._bf16_linear is not None and _medium_precision()):
-            return COLUMN_MAJOR_LINEAR_MAX_ROWS
+            return FUSED_MAX_ROWS
         return SMALL_BATCH_LINEAR
 
     def _layer_table(self, layers: Sequence[Any], eps: float) -> torch.Tensor | None:
         """[L, 16] int64 addresses of each layer's tensors and its weights' layouts (see kvp_decode_layers);
-        None when a tensor is not float32 on the CPU, contiguous or (a weight) column-major, or the norms'
-        eps differ (then the layers run one by one)."""
+        None when a tensor is not float32 on the CPU, contiguous or (a weight) in column blocks, or the
+        norms' eps differ (then the layers run one by one)."""
         key = id(layers)
         if key not in self._tables:
             table = _build_layer_table(layers, eps)
-            all_column_major = table is not None and bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
-            self._tables[key] = (layers, table, all_column_major)
+            all_blocked = table is not None and bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
+            self._tables[key] = (layers, table, all_blocked)
         return self._tables[key][1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
+        bs = blocked_stride(weight)
         if (
             rows > SMALL_BATCH_LINEAR
             and self._bf16_linear is not None
@@ -280,23 +288,45 @@ class CpuKernelOps(TorchOps):
             and _f32(weight)
         ):
             return self._bf16_linear(x, weight, bias)
-        # column-major weights: the outer-product kernel; row-major: the dot-product one; else torch
-        ld = column_major_ld(weight)
+        if bs:
+            return self._blocked_linear(x, weight, bs, bias)
+        # row-major weights: the dot-product kernel for small batches, else torch
         if (
-            rows > (COLUMN_MAJOR_LINEAR_MAX_ROWS if ld else SMALL_BATCH_LINEAR)
+            rows > SMALL_BATCH_LINEAR
             or x.dim() != 2
-            or not (x.is_contiguous() and (ld or weight.is_contiguous()) and (bias is None or bias.is_contiguous()))
+            or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
             or not (_f32(x) and _f32(weight) and (bias is None or _f32(bias)))
         ):
             return F.linear(x, weight, bias)
         out_features, in_features = weight.shape
         out = torch.empty((rows, out_features), dtype=x.dtype)
         b = bias.data_ptr() if bias is not None else None
-        if ld:
-            self._linear_t(x.data_ptr(), rows, in_features, weight.data_ptr(), ld, out_features, b, out.data_ptr())
-        else:
-            self._linear_small(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, b, out.data_ptr())
+        self._linear_small(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, b, out.data_ptr())
         return out
+
+    def _blocked_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bs: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [..., K] @ w.T (+ bias) for a weight in column blocks: the outer-product kernel up to
+        BLOCKED_KERNEL_MAX_ROWS rows, torch's GEMM on a column-major copy beyond."""
+        blocks, in_features, _ = weight.shape
+        out_features = blocks * BLOCK
+        if not (_f32(x) and (bias is None or _f32(bias))):
+            return F.linear(x, unblocked(weight), bias)
+        x2 = x.reshape(-1, in_features).contiguous()
+        rows = x2.shape[0]
+        if rows > BLOCKED_KERNEL_MAX_ROWS:
+            size = in_features * out_features
+            if self._unblock_scratch.numel() < size:
+                self._unblock_scratch = torch.empty(size, dtype=torch.float32)
+            scratch = self._unblock_scratch[:size]
+            self._unblock(weight.data_ptr(), bs, out_features, in_features, scratch.data_ptr())
+            return F.linear(x, scratch.view(in_features, out_features).t(), bias)
+        out = torch.empty((rows, out_features), dtype=torch.float32)
+        bias_c = bias.contiguous() if bias is not None else None  # NOTE: held while the kernel reads it
+        b = bias_c.data_ptr() if bias_c is not None else None
+        self._linear_b(x2.data_ptr(), rows, in_features, weight.data_ptr(), bs, out_features, b, out.data_ptr())
+        return out.view(*x.shape[:-1], out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2 or x.stride(1) != 1 or not (_f32(x) and _f32(weight)):
@@ -483,12 +513,12 @@ def _build_layer_table(layers: Sequence[Any], eps: float) -> torch.Tensor | None
         if attn.q_norm is not None:
             all_eps.add(attn.q_norm.eps)
         weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        # each weight row-major (ld 0: kvp_linear_small) or column-major (its ld: kvp_linear_t)
-        lds = [column_major_ld(w) for w in weights]
-        column_major = {id(w) for w, ld in zip(weights, lds, strict=True) if ld}
-        if any(t is not None and not (_f32(t) and (t.is_contiguous() or id(t) in column_major)) for t in tensors):
+        # each weight row-major (0: kvp_linear_small) or in column blocks (its block stride: kvp_linear_b)
+        strides = [blocked_stride(w) for w in weights]
+        blocked = {id(w) for w, bs in zip(weights, strides, strict=True) if bs}
+        if any(t is not None and not (_f32(t) and (t.is_contiguous() or id(t) in blocked)) for t in tensors):
             return None
-        rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + lds)
+        rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + strides)
         assert len(rows[-1]) == LAYER_TABLE_WIDTH and len(tensors) == LAYER_TABLE_ADDRESSES
     return torch.tensor(rows, dtype=torch.int64) if all_eps == {eps} else None
 
