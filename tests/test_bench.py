@@ -55,6 +55,16 @@ def test_throughput_bench_reports_both_modes_and_full_utilisation(capsys, tiny_m
     assert 32 / 48 <= r["kv_utilisation"]["mean"] <= 1.0
     assert r["owned_blocks_after"] == 0 and r["num_preemptions"] == 0
     assert set(r["targets"]) == {"speedup_ge_4x_issue2", "speedup_ge_8x_issue6", "kv_utilisation_ge_95pct"}
+    assert (r["workload"]["kv_cache_dtype"], r["workload"]["fp32_matmul_precision"]) == ("float32", "highest")
+
+
+def test_throughput_bench_runs_the_kv_cache_dtype_it_is_given(capsys, tiny_model):
+    r = run_bench(
+        capsys, tiny_model, "throughput", "--num-requests", "3", "--input-len", "16", "--output-len", "3",
+        "--sequential-requests", "1", "--kv-cache-dtype", "bfloat16",
+    )  # fmt: skip
+    assert r["workload"]["kv_cache_dtype"] == "bfloat16"  # read from the engine's cache tensor
+    assert r["batched"]["output_tokens"] == 3 * 3 and r["num_preemptions"] == 0
 
 
 def test_prefix_bench_hits_the_shared_prefix(capsys, tiny_model):

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: room for every request)")
     report.add_precision_arg(p)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="KV cache dtype, as `kvpager serve`'s (default auto: the model's)",
+    )
     return p
 
 
@@ -112,7 +118,8 @@ def run_batched(
 
 def default_kv_budget(model_dir: str, args: argparse.Namespace) -> int:
     """Bytes for every request's whole sequence at once (so the batched phase never preempts)."""
-    shape = load_model_spec(model_dir).kv_shape(DTYPE_BYTES["float32"])
+    kv_dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype  # the dummy/bench models are float32
+    shape = load_model_spec(model_dir).kv_shape(DTYPE_BYTES[kv_dtype])
     blocks = args.num_requests * cdiv(args.input_len + args.output_len, args.block_size)
     return blocks * shape.bytes_per_block(args.block_size)
 
@@ -139,6 +146,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         num_threads=args.num_threads,
         seed=args.seed,
         fp32_matmul_precision=args.fp32_matmul_precision,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = Engine(config)
     vocab = engine.model_spec.vocab_size
@@ -177,6 +185,8 @@ def build_result(
             "sequential_requests": args.sequential_requests,
             "block_size": args.block_size,
             "num_blocks": engine.pool.num_blocks,
+            "fp32_matmul_precision": args.fp32_matmul_precision,
+            "kv_cache_dtype": str(engine.runner.kv_cache.dtype).removeprefix("torch."),
         },
         "sequential": {**asdict(seq), "output_tokens_per_s": seq.output_tokens_per_s},
         "batched": {**asdict(batched), "output_tokens_per_s": batched.output_tokens_per_s, "max_running": max_running},
@@ -211,7 +221,8 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"workload: prompt {w['input_len']}, output {w['output_len']} (ignore_eos), {w['num_requests']} requests "
-            f"batched; one-at-a-time rate from {w['sequential_requests']} requests run alone (same shape, same rate)",
+            f"batched; one-at-a-time rate from {w['sequential_requests']} requests run alone (same shape, same rate); "
+            f"matmul precision {w.get('fp32_matmul_precision', 'highest')}, KV cache {w.get('kv_cache_dtype', 'float32')}",
             table,
             f"speedup: {result['speedup']:.2f}x (targets: >= 4x issue 2, >= 8x issue 6)",
             f"KV pool utilisation (tokens stored / slots in owned blocks, mean over {util['num_steps']} steps): "
