@@ -161,6 +161,18 @@ def test_blocked_linear_above_the_row_limit_runs_in_torch_on_an_unblocked_copy(k
     assert kops.calls["_linear_b"] == 0 and kops.calls["_unblock"] == 2
 
 
+def test_a_weight_too_big_for_the_scratch_stays_in_the_kernel_at_any_row_count(
+    kops: SpyOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvpager.model.ops as ops_module
+
+    monkeypatch.setattr(ops_module, "UNBLOCK_SCRATCH_MAX_BYTES", 96 * 64 * 4 - 1)
+    rows = BLOCKED_KERNEL_MAX_ROWS + 1
+    x, w = _randn(rows, 64, seed=1), _randn(96, 64, seed=2)
+    _assert_close(kops.linear(x, to_blocked(w), None), F.linear(x, w))
+    assert kops.calls["_linear_b"] == 1 and kops.calls["_unblock"] == 0
+
+
 def test_row_major_linear_of_a_width_the_blocks_cannot_hold_runs_the_dot_product_kernel(kops: SpyOps) -> None:
     x, w, b = _randn(5, 33, seed=1), _randn(20, 33, seed=2), _randn(20, seed=3)
     _assert_close(kops.linear(x, w, b), F.linear(x, w, b))

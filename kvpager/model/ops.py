@@ -48,6 +48,10 @@ SMALL_BATCH_LINEAR = 32
 # layers, time torch (copy included) / kernel: 1.92 at 64 rows, 1.44-1.54 at 128-192, 1.27 at 256,
 # 1.07-1.10 at 384-512, 0.97-1.10 at 1,024, 0.89-0.91 at 2,048-4,096.
 BLOCKED_KERNEL_MAX_ROWS = 1024
+# ... as long as the copy is at most this big (the scratch buffer is kept for the next call): a larger
+# weight (a big vocabulary's lm_head under prompt_logprobs, an 8B model's MLP) stays in the kernel,
+# ~10 % slower than torch's GEMM at 2,048 rows.
+UNBLOCK_SCRATCH_MAX_BYTES = 64 << 20
 # Decode-only steps of at most this many rows run the whole layer stack in one kernel call when every
 # weight is in column blocks (SMALL_BATCH_LINEAR otherwise). Measured, 64 sequences, fused vs per
 # layer (column-major weights then): 181.5 vs 200.4 ms (SmolLM2 shape), 58.4 vs 64.5 (llama-small).
@@ -308,14 +312,15 @@ class CpuKernelOps(TorchOps):
         self, x: torch.Tensor, weight: torch.Tensor, bs: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [..., K] @ w.T (+ bias) for a weight in column blocks: the outer-product kernel up to
-        BLOCKED_KERNEL_MAX_ROWS rows, torch's GEMM on a column-major copy beyond."""
+        BLOCKED_KERNEL_MAX_ROWS rows (or for a weight above UNBLOCK_SCRATCH_MAX_BYTES), torch's GEMM on
+        a column-major copy beyond."""
         blocks, in_features, _ = weight.shape
         out_features = blocks * BLOCK
         if not (_f32(x) and (bias is None or _f32(bias))):
             return F.linear(x, unblocked(weight), bias)
         x2 = x.reshape(-1, in_features).contiguous()
         rows = x2.shape[0]
-        if rows > BLOCKED_KERNEL_MAX_ROWS:
+        if rows > BLOCKED_KERNEL_MAX_ROWS and in_features * out_features * 4 <= UNBLOCK_SCRATCH_MAX_BYTES:
             size = in_features * out_features
             if self._unblock_scratch.numel() < size:
                 self._unblock_scratch = torch.empty(size, dtype=torch.float32)
