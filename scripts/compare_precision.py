@@ -1,12 +1,15 @@
-"""How far `--fp32-matmul-precision medium` moves a model's outputs from the exact ones.
+"""How far `--fp32-matmul-precision medium` and `--kv-cache-dtype bfloat16` move a model's outputs
+from the exact ones.
 
-Two measurements on one checkpoint (default: the bundled demo model):
+Two measurements on one checkpoint (default: the bundled demo model), for each configuration
+(matmul precision highest or medium, KV cache float32 or bfloat16):
 1. logits: every position of a batch of prompts (one forward of > 32 rows, so the linear layers take
-   the bf16 path) against transformers in float32, at "highest" and at "medium";
-2. greedy generation: `--num-prompts` prompts generated together (decode batches > 32 rows) at each
-   precision; how many sequences come out identical, and where the others first diverge.
+   the bf16 path at medium) against transformers in float32;
+2. greedy generation: `--num-prompts` prompts generated together (decode batches > 32 rows); how
+   many sequences come out identical to the exact configuration's, and where the others first diverge.
 
 Usage: python scripts/compare_precision.py [--model DIR] [--num-prompts 64] [--max-tokens 64]
+(prints a Markdown table)
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from kvpager.model.precision import fp32_matmul_precision  # noqa: E402
 from kvpager.paths import demo_model_dir  # noqa: E402
 from kvpager.sampling_params import SamplingParams  # noqa: E402
 
+CONFIGS = (("highest", "float32"), ("medium", "float32"), ("highest", "bfloat16"), ("medium", "bfloat16"))
 
-def logit_errors(model_dir: str, prompts: list[list[int]]) -> dict[str, float]:
+
+def logit_errors(model_dir: str, prompts: list[list[int]]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(precision, KV dtype) -> (max |logit diff| vs transformers float32, argmax agreement)."""
     from transformers import AutoModelForCausalLM
 
     model = load_model(model_dir, dtype=torch.float32, device="cpu")
@@ -40,26 +46,46 @@ def logit_errors(model_dir: str, prompts: list[list[int]]) -> dict[str, float]:
         n = -(-len(p) // block)
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
-    kv = allocate_kv_cache(model.spec, nxt, block, torch.float32, "cpu")
     lens = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.tensor([i for p in prompts for i in range(len(p))])
+    out = {}
     with torch.inference_mode():
         ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
-        out = {}
-        for precision in ("highest", "medium"):
+        for precision, kv_dtype in CONFIGS:
+            kv = allocate_kv_cache(model.spec, nxt, block, getattr(torch, kv_dtype), "cpu")
             meta = build_attention_metadata(lens, lens, tables, block, "cpu")
             with fp32_matmul_precision(precision):
                 logits = model.compute_logits(model(ids, pos, kv, meta))
-            out[precision] = (logits - ref).abs().max().item()
-            out[f"{precision}_argmax_agreement"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            agreement = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            out[precision, kv_dtype] = ((logits - ref).abs().max().item(), agreement)
     return out
 
 
-def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, precision: str) -> list[list[int]]:
-    llm = LLM(model_dir, fp32_matmul_precision=precision, kv_cache_memory=256 << 20, max_num_seqs=len(prompts))
+def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, precision: str, kv_dtype: str) -> list[list[int]]:
+    llm = LLM(
+        model_dir,
+        fp32_matmul_precision=precision,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_memory=256 << 20,
+        max_num_seqs=len(prompts),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def divergence(exact: list[list[int]], other: list[list[int]]) -> str:
+    diverge = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+        for x, y in zip(exact, other, strict=True)
+    ]
+    firsts = [d for d in diverge if d is not None]
+    same = f"{len(diverge) - len(firsts)} of {len(diverge)} identical"
+    return (
+        f"{same}; others first differ at token {statistics.median(firsts):.0f} (median), {min(firsts)} (min)"
+        if firsts
+        else same
+    )
 
 
 def main() -> None:
@@ -77,25 +103,22 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     errs = logit_errors(args.model, prompts[:4])
+    exact = greedy(args.model, prompts, args.max_tokens, "highest", "float32")
     print(
-        f"logits vs transformers ({min(4, len(prompts))} prompts x {args.prompt_len} positions, one forward): max |diff| "
-        f"highest {errs['highest']:.2e}, medium {errs['medium']:.2e}; argmax agreement "
-        f"highest {errs['highest_argmax_agreement']:.1%}, medium {errs['medium_argmax_agreement']:.1%}"
+        f"| matmul precision | KV cache | max abs logit diff vs transformers fp32 ({min(4, len(prompts))} x "
+        f"{args.prompt_len} positions) | argmax agreement | greedy, {args.num_prompts} prompts x {args.max_tokens} "
+        "tokens in one batch, vs highest/float32 |"
     )
-    exact = greedy(args.model, prompts, args.max_tokens, "highest")
-    medium = greedy(args.model, prompts, args.max_tokens, "medium")
-    diverge = [
-        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
-        for x, y in zip(exact, medium, strict=True)
-    ]
-    same = sum(d is None for d in diverge)
-    firsts = [d for d in diverge if d is not None]
-    tail = (
-        f"; the others first differ at token {statistics.median(firsts):.0f} (median), {min(firsts)} (min)"
-        if firsts
-        else ""
-    )
-    print(f"greedy, {args.num_prompts} prompts x {args.max_tokens} tokens in one batch: {same} identical{tail}")
+    print("|---|---|---|---|---|")
+    for precision, kv_dtype in CONFIGS:
+        diff, agreement = errs[precision, kv_dtype]
+        tokens = (
+            exact
+            if (precision, kv_dtype) == CONFIGS[0]
+            else greedy(args.model, prompts, args.max_tokens, precision, kv_dtype)
+        )
+        same = "—" if tokens is exact else divergence(exact, tokens)
+        print(f"| {precision} | {kv_dtype} | {diff:.2e} | {agreement:.1%} | {same} |")
 
 
 if __name__ == "__main__":
