@@ -315,14 +315,16 @@ def test_chat_in_process_backend_matches_offline_chat(llm: LLM) -> None:
 
 
 def test_bench_serve_drives_the_server_and_reports_its_numbers(
-    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+    server: ServerProcess, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from kvpager.bench import serve as bench_serve
 
     generated_before = metric(server.url, "kvpager:generation_tokens_total")
     argv = ["--url", server.url, "--concurrency", "4", "--num-prompts", "8", "--input-len", "16", "--output-len", "8"]
-    assert bench_serve.main([*argv, "--vocab-size", "384", "--json"]) == 0
+    out_file = tmp_path / "results" / "serve.json"
+    assert bench_serve.main([*argv, "--vocab-size", "384", "--json", "--json-out", str(out_file)]) == 0
     result = json.loads(capsys.readouterr().out)
+    assert json.loads(out_file.read_text()) == result
     assert result["num_failed"] == 0 and result["num_prompts"] == 8
     assert result["output_throughput"] == pytest.approx(8 * 8 / result["duration_s"])
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]

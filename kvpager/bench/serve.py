@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpager.bench import report
@@ -193,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=1000, help="random prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p
 
 
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError) as exc:
         print(f"kvpager bench serve: error: {exc}", file=sys.stderr)
         return 2
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(asdict(result), indent=2) + "\n")
     print(json.dumps(asdict(result), indent=2) if args.json else render(result))
     return 0 if result.num_failed == 0 else 1
 
