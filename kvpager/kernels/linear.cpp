@@ -112,9 +112,12 @@ void outer_linear(const float* x, int64_t M, int64_t K, const float* wb, int64_t
       for (int64_t v = v0; v < v1; v += NV) panel(v, std::min<int64_t>(NV, v1 - v));
     }
   } else {
-    // Compute-bound: panels handed out guided (a thread that loses its core holds back no fixed half).
+    // Compute-bound: panels handed out one at a time, so a thread that loses its core (to the server's
+    // event loop, a client, another tenant) holds back one panel, not a share of the matrix (guided
+    // handed out half the panels first). Measured, 30 streamed SmolLM2 layers: 0.94-1.05x guided
+    // alone, 0.98-1.06x with another process busy 2 ms of every 10.
     const int64_t panels = (vectors + NV - 1) / NV;
-#pragma omp parallel for schedule(guided) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t p = 0; p < panels; ++p) panel(p * NV, std::min<int64_t>(NV, vectors - p * NV));
   }
 }
