@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 # Decode attention splits a sequence's context into partitions of this many positions (merged
 # afterwards), so one long sequence still spreads over every thread.
 DECODE_PARTITION = 256
-# Linear layers over torch's row-major weights (CPUs without AVX-512, tied embeddings) with at most
+# Linear layers over torch's row-major weights (CPUs without AVX-512, widths not divisible by 16) with at most
 # this many input rows run in the dot-product kernel (each weight row read once for all rows, next
 # rows prefetched); larger batches go to torch's GEMM. Measured on llama-small's weights, 2 threads:
 # 1.8x torch at 4-16 rows, 1.24x at 32, 1.07x at 48, 0.87x at 64. Decode-only steps of at most this
@@ -319,9 +319,8 @@ class CpuKernelOps(TorchOps):
         if not (_f32(x) and (bias is None or _f32(bias))):
             return F.linear(x, unblocked(weight), bias)
         x2 = x.reshape(-1, in_features).contiguous()
-        rows = x2.shape[0]
-        if rows > BLOCKED_KERNEL_MAX_ROWS and in_features * out_features * 4 <= UNBLOCK_SCRATCH_MAX_BYTES:
-            size = in_features * out_features
+        rows, size = x2.shape[0], in_features * out_features
+        if rows > BLOCKED_KERNEL_MAX_ROWS and size * 4 <= UNBLOCK_SCRATCH_MAX_BYTES:
             if self._unblock_scratch.numel() < size:
                 self._unblock_scratch = torch.empty(size, dtype=torch.float32)
             scratch = self._unblock_scratch[:size]
