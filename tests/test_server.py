@@ -331,3 +331,23 @@ def test_bench_serve_drives_the_server_and_reports_its_numbers(
     assert result["tpot_mean_ms"] > 0
     # 8 requests of exactly 8 tokens (ignore_eos) plus the 2-token probe.
     assert metric(server.url, "kvpager:generation_tokens_total") - generated_before == 8 * 8 + 2
+
+
+def test_build_server_freezes_the_startup_heap_and_starts_the_engine(llama_checkpoint: Path) -> None:
+    """`kvpager serve` keeps what it built at start out of the GC's full collections."""
+    import gc
+
+    from kvpager.server.cli import build_parser, build_server, config_from_args, settings_from_args
+
+    args = build_parser().parse_args(["--model", str(llama_checkpoint), "--kv-cache-memory", "1MiB"])
+    gc.unfreeze()
+    try:
+        async_engine, app = build_server(args, config_from_args(args), settings_from_args(args))
+        try:
+            assert async_engine.is_running
+            assert gc.get_freeze_count() > 0
+            assert app.title == "kvpager"
+        finally:
+            async_engine.shutdown()
+    finally:
+        gc.unfreeze()

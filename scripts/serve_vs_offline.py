@@ -1,0 +1,201 @@
+"""Serving versus offline throughput, interleaved in one server process (issue 6's serving target).
+
+Starts `kvpager serve` in this process (uvicorn + uvloop, exactly as the CLI builds it) and
+alternates two phases on the same engine, `--rounds` times each, in ABBA order so a slow drift of
+the machine falls on both alike:
+
+- offline: the requests go straight into the engine on its own thread and it steps until they are
+  done (the loop of `kvpager bench throughput`'s batched phase; the event loop sits idle);
+- serve: `kvpager bench serve` runs as a separate process against the server (streaming, one HTTP
+  request per prompt, at most `--concurrency` in flight).
+
+Each phase gets fresh random prompts (a seed per phase), so no phase hits the prefix cache of
+another. Two 45-second runs started minutes apart (a server, then `bench throughput`) differ by up
+to ±7 % on the shared 2-core machine; pairs taken back to back in one process differ much less.
+
+    python scripts/serve_vs_offline.py --rounds 3 -- --model /tmp/smol_dummy --load-format dummy \
+        --max-model-len 2048 --max-num-seqs 32 --kv-cache-memory 2GiB
+
+Everything after `--` is `kvpager serve`'s own flags; `--max-num-seqs` is set to `--concurrency`
+(offline submits every prompt at once, and only that limit keeps it to the client's concurrency). Prints one line per phase and the ratio of
+each serve phase to the mean of the offline phases beside it; `--json-out` keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpager.bench.serve import make_prompts
+from kvpager.bench.throughput import run_batched
+from kvpager.sampling_params import SamplingParams
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="serve phases (and offline phases) each")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--json-out", default=None)
+    split = argv.index("--") if "--" in argv else len(argv)
+    return p.parse_args(argv[:split]), argv[split + 1 :]
+
+
+def offline_phase(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    phase, _, _ = run_batched(engine, prompts, params)
+    return {"seconds": phase.seconds, "output_tokens": phase.output_tokens, "tok_s": phase.output_tokens_per_s}
+
+
+async def serve_phase(args: argparse.Namespace, seed: int, vocab: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "serve.json"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvpager",
+            "bench",
+            "serve",
+            "--url",
+            f"http://127.0.0.1:{args.port}",
+            "--concurrency",
+            str(args.concurrency),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--vocab-size",
+            str(vocab),
+            "--seed",
+            str(seed),
+            "--json-out",
+            str(out),
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        if await proc.wait() != 0:
+            raise RuntimeError(f"kvpager bench serve exited with {proc.returncode}")
+        r = json.loads(out.read_text())
+    tokens = r["output_throughput"] * r["duration_s"]
+    return {"seconds": r["duration_s"], "output_tokens": tokens, "tok_s": r["output_throughput"]}
+
+
+async def orchestrate(args: argparse.Namespace, server: Any, async_engine: Any) -> list[dict[str, Any]]:
+    while not server.started:
+        await asyncio.sleep(0.1)
+    vocab = int(async_engine.engine.model_spec.vocab_size)
+    order = []
+    for r in range(args.rounds):
+        order += ["offline", "serve"] if r % 2 == 0 else ["serve", "offline"]
+    phases: list[dict[str, Any]] = []
+    for i, kind in enumerate(order):
+        seed = 1000 + i
+        loop_cpu, child = _thread_user_system(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        if kind == "offline":
+            prompts = [list(p) for p in make_prompts(args.num_prompts, args.input_len, "ids", vocab, seed)]
+            res = await async_engine.run_in_engine(lambda e, p=prompts: offline_phase(e, p, args.output_len))
+        else:
+            res = await serve_phase(args, seed, vocab)
+        after, loop_after = resource.getrusage(resource.RUSAGE_CHILDREN), _thread_user_system()
+        res = {
+            "phase": kind,
+            "index": i,
+            "clock": time.strftime("%H:%M:%S"),
+            **res,
+            "event_loop_user_s": loop_after[0] - loop_cpu[0],
+            "event_loop_system_s": loop_after[1] - loop_cpu[1],
+            "client_cpu_s": after.ru_utime + after.ru_stime - child.ru_utime - child.ru_stime,
+        }
+        print(
+            f"{res['clock']} {kind:8s} {res['output_tokens']:6.0f} tokens {res['seconds']:7.2f} s "
+            f"{res['tok_s']:7.1f} tok/s  event loop user {res['event_loop_user_s']:5.2f} s "
+            f"system {res['event_loop_system_s']:5.2f} s  "
+            f"client CPU {res['client_cpu_s']:5.2f} s",
+            flush=True,
+        )
+        phases.append(res)
+    server.should_exit = True
+    return phases
+
+
+def ratios(phases: list[dict[str, Any]]) -> list[float]:
+    """Each serve phase over the mean of the offline phases next to it."""
+    out = []
+    for i, p in enumerate(phases):
+        if p["phase"] != "serve":
+            continue
+        near = [q["tok_s"] for q in phases[max(0, i - 1) : i + 2] if q["phase"] == "offline"]
+        out.append(p["tok_s"] / statistics.fmean(near))
+    return out
+
+
+def _thread_user_system() -> tuple[float, float]:
+    """This (the event loop's) thread's user and system CPU seconds so far (Linux; zeros elsewhere)."""
+    import os
+    import threading
+
+    try:
+        fields = Path(f"/proc/self/task/{threading.get_native_id()}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def _loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    from kvpager.server.cli import build_parser, build_server, config_from_args, settings_from_args
+
+    args, serve_argv = parse(argv)
+    serve_args = build_parser().parse_args(serve_argv)
+    if "--max-num-seqs" not in serve_argv:
+        serve_args.max_num_seqs = args.concurrency
+    if serve_args.max_num_seqs != args.concurrency:
+        # NOTE: offline admits every prompt at once; only the engine's own limit keeps it at the
+        # client's concurrency, so the two phases batch alike.
+        print(f"serve_vs_offline: --max-num-seqs must equal --concurrency ({args.concurrency})", file=sys.stderr)
+        return 2
+    async_engine, app = build_server(serve_args, config_from_args(serve_args), settings_from_args(serve_args))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning"))
+    phases: list[dict[str, Any]] = []
+
+    async def both() -> None:
+        task = asyncio.create_task(orchestrate(args, server, async_engine))
+        await server.serve()
+        phases.extend(await task)
+
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:  # uvloop, as `kvpager serve` runs
+            runner.run(both())
+    finally:
+        async_engine.shutdown()
+    rs = ratios(phases)
+    print("serve / offline:", " ".join(f"{r:.1%}" for r in rs), f"median {statistics.median(rs):.1%}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"argv": argv, "phases": phases, "ratios": rs}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
