@@ -36,7 +36,8 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _bytes_arg(text: str) -> int:
+def bytes_arg(text: str) -> int:
+    """`parse_bytes` as an argparse `type` (a bad size is a usage error naming the flag)."""
     try:
         return parse_bytes(text)
     except ValueError as e:
@@ -53,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=_bytes_arg, default=None, help="KV pool budget, e.g. 2GiB")
+    g.add_argument("--kv-cache-memory", type=bytes_arg, default=None, help="KV pool budget, e.g. 2GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -83,11 +84,11 @@ def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
     """KV tiers and packs: host RAM tier, persistent disk tier, tier codec, packs pinned at start."""
     g = parser.add_argument_group("KV tiers and packs")
     g.add_argument(
-        "--host-kv-cache-memory", type=_bytes_arg, default=None, help="host RAM tier for evicted KV blocks, e.g. 4GiB"
+        "--host-kv-cache-memory", type=bytes_arg, default=None, help="host RAM tier for evicted KV blocks, e.g. 4GiB"
     )
     g.add_argument("--kv-cache-dir", default=None, help="persistent disk tier directory (survives restarts)")
     g.add_argument(
-        "--kv-cache-dir-max-bytes", type=_bytes_arg, default=None, help="disk tier size bound (default 10GiB)"
+        "--kv-cache-dir-max-bytes", type=bytes_arg, default=None, help="disk tier size bound (default 10GiB)"
     )
     g.add_argument(
         "--kv-codec", default="lossless", choices=list(KV_CODECS), help="tier block codec (lossy ones are opt-in)"

@@ -47,6 +47,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--client-loop", default="auto", help="`kvpager bench serve --loop` (auto, asyncio, uvloop)")
     p.add_argument("--json-out", default=None)
     split = argv.index("--") if "--" in argv else len(argv)
     return p.parse_args(argv[:split]), argv[split + 1 :]
@@ -83,6 +84,8 @@ async def serve_phase(args: argparse.Namespace, seed: int, vocab: int) -> dict[s
             str(seed),
             "--json-out",
             str(out),
+            "--loop",
+            args.client_loop,
             stdout=asyncio.subprocess.DEVNULL,
         )
         if await proc.wait() != 0:

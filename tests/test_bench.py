@@ -67,6 +67,17 @@ def test_throughput_bench_runs_the_kv_cache_dtype_it_is_given(capsys, tiny_model
     assert r["batched"]["output_tokens"] == 3 * 3 and r["num_preemptions"] == 0
 
 
+def test_throughput_bench_reads_kv_cache_memory_as_serve_does(capsys):
+    from kvpager.bench import throughput
+
+    parser = throughput.build_parser()
+    assert parser.parse_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 << 30
+    assert parser.parse_args(["--kv-cache-memory", "1048576"]).kv_cache_memory == 1 << 20
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-memory", "lots"])
+    assert "cannot read 'lots' as a size in bytes" in capsys.readouterr().err
+
+
 def test_prefix_bench_hits_the_shared_prefix(capsys, tiny_model):
     r = run_bench(capsys, tiny_model, "prefix", "--prefix-len", "64", "--suffix-len", "4", "--repetitions", "3")
     assert len(r["cold"]["all_s"]) == len(r["hit"]["all_s"]) == 3

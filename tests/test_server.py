@@ -314,15 +314,16 @@ def test_chat_in_process_backend_matches_offline_chat(llm: LLM) -> None:
     assert llm.engine.stats().num_owned_blocks == 0
 
 
+@pytest.mark.parametrize("loop", ["auto", "asyncio"])
 def test_bench_serve_drives_the_server_and_reports_its_numbers(
-    server: ServerProcess, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    server: ServerProcess, capsys: pytest.CaptureFixture[str], tmp_path: Path, loop: str
 ) -> None:
     from kvpager.bench import serve as bench_serve
 
     generated_before = metric(server.url, "kvpager:generation_tokens_total")
     argv = ["--url", server.url, "--concurrency", "4", "--num-prompts", "8", "--input-len", "16", "--output-len", "8"]
     out_file = tmp_path / "results" / "serve.json"
-    assert bench_serve.main([*argv, "--vocab-size", "384", "--json", "--json-out", str(out_file)]) == 0
+    assert bench_serve.main([*argv, "--vocab-size", "384", "--loop", loop, "--json", "--json-out", str(out_file)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert json.loads(out_file.read_text()) == result
     assert result["num_failed"] == 0 and result["num_prompts"] == 8

@@ -193,17 +193,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-mode", choices=["ids", "text"], default="ids")
     p.add_argument("--vocab-size", type=int, default=1000, help="random prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="the client's event loop (auto: uvloop if installed)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p
 
 
-def _loop_factory() -> Any:
-    """uvloop where installed: the client shares the CPU with the server it measures, so its own
-    per-token cost (an event and a JSON parse per streamed token) is kept low."""
+def _loop_factory(choice: str) -> Any:
+    """The client's event loop (uvicorn's `--loop` choices). `auto` takes uvloop where installed:
+    the client shares the CPU with the server it measures, so its own per-token cost (an event and
+    a JSON parse per streamed token) is kept low."""
+    if choice == "asyncio":
+        return None
     try:
         import uvloop
     except ImportError:
+        if choice == "uvloop":
+            raise RuntimeError("--loop uvloop needs the uvloop package") from None
         return None
     return uvloop.new_event_loop
 
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvpager bench serve: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
             result = runner.run(run_bench(args))
     except (RuntimeError, OSError) as exc:
         print(f"kvpager bench serve: error: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpager.bench import report
 from kvpager.config import DTYPE_BYTES, EngineConfig
+from kvpager.engine_args import bytes_arg
 from kvpager.kv.kv_manager import cdiv
 from kvpager.model.spec import load_model_spec
 from kvpager.sampling_params import SamplingParams
@@ -51,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: room for every request)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=bytes_arg,
+        default=None,
+        help="KV pool budget, e.g. 2GiB (default: room for every request)",
+    )
     report.add_precision_arg(p)
     p.add_argument(
         "--kv-cache-dtype",

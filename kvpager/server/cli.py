@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpager.engine_args import add_engine_args, config_from_args, parse_bytes
+from kvpager.engine_args import add_engine_args, bytes_arg, config_from_args
 from kvpager.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from kvpager.server.disagg import DEFAULT_PREFILL_TIMEOUT_S, ROLES, PrefillSettings
 from kvpager.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES
@@ -24,13 +24,6 @@ logger = logging.getLogger("kvpager.server")
 
 API_KEY_ENV = "KVPAGER_API_KEY"
 PREFILL_API_KEY_ENV = "KVPAGER_PREFILL_API_KEY"
-
-
-def _bytes(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the tokenizer's)")
     p.add_argument(
         "--max-request-body-bytes",
-        type=_bytes,
+        type=bytes_arg,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="413 above this, e.g. 16MiB",
     )
@@ -68,7 +61,7 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV transfer and disaggregated serving")
     g.add_argument(
         "--max-kv-import-bytes",
-        type=_bytes,
+        type=bytes_arg,
         default=DEFAULT_MAX_KV_IMPORT_BYTES,
         help="413 above this on /v1/kv/import (default 1GiB)",
     )
