@@ -4,21 +4,27 @@ Starts `kvpager serve` in this process (uvicorn + uvloop, exactly as the CLI bui
 alternates two phases on the same engine, `--rounds` times each, in ABBA order so a slow drift of
 the machine falls on both alike:
 
-- offline: the requests go straight into the engine on its own thread and it steps until they are
-  done (the loop of `kvpager bench throughput`'s batched phase; the event loop sits idle);
+- offline: the requests go straight into the engine, stepped on the main thread until they are
+  done (the loop of `kvpager bench throughput`'s batched phase, on the thread it runs on; the event
+  loop and the engine's own thread wait meanwhile);
 - serve: `kvpager bench serve` runs as a separate process against the server (streaming, one HTTP
   request per prompt, at most `--concurrency` in flight).
 
+Per phase it also prints the main thread's CPU (the event loop in a serve phase, the engine in an
+offline one), the client's CPU (its start-up included) and this process's minor page faults.
 Each phase gets fresh random prompts (a seed per phase), so no phase hits the prefix cache of
-another. Two 45-second runs started minutes apart (a server, then `bench throughput`) differ by up
-to ±7 % on the shared 2-core machine; pairs taken back to back in one process differ much less.
+another. Why one process: the earlier method (a server, then `kvpager bench throughput`, two
+45-second processes minutes apart) compared different processes at different moments and moved by
+±7 points; here both phases share one engine and its memory, and ABBA order with
+several rounds spreads the machine's drift (offline phases of one run still span ~15 %) over both.
 
-    python scripts/serve_vs_offline.py --rounds 3 -- --model /tmp/smol_dummy --load-format dummy \
-        --max-model-len 2048 --max-num-seqs 32 --kv-cache-memory 2GiB
+    python scripts/serve_vs_offline.py --rounds 4 -- --model /tmp/smol_dummy --load-format dummy \
+        --max-model-len 2048 --kv-cache-memory 2GiB
 
 Everything after `--` is `kvpager serve`'s own flags; `--max-num-seqs` is set to `--concurrency`
-(offline submits every prompt at once, and only that limit keeps it to the client's concurrency). Prints one line per phase and the ratio of
-each serve phase to the mean of the offline phases beside it; `--json-out` keeps them.
+(offline submits every prompt at once, and only that limit keeps it to the client's concurrency).
+Prints one line per phase and the ratio of each serve phase to the mean of the offline phases
+beside it; `--json-out` keeps them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import statistics
 import sys
@@ -62,34 +69,20 @@ def offline_phase(engine: Any, prompts: list[list[int]], output_len: int) -> dic
 async def serve_phase(args: argparse.Namespace, seed: int, vocab: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "serve.json"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "kvpager",
-            "bench",
-            "serve",
-            "--url",
-            f"http://127.0.0.1:{args.port}",
-            "--concurrency",
-            str(args.concurrency),
-            "--num-prompts",
-            str(args.num_prompts),
-            "--input-len",
-            str(args.input_len),
-            "--output-len",
-            str(args.output_len),
-            "--vocab-size",
-            str(vocab),
-            "--seed",
-            str(seed),
-            "--json-out",
-            str(out),
-            "--loop",
-            args.client_loop,
-            stdout=asyncio.subprocess.DEVNULL,
-        )
-        if await proc.wait() != 0:
-            raise RuntimeError(f"kvpager bench serve exited with {proc.returncode}")
+        argv = [sys.executable, "-m", "kvpager", "bench", "serve", "--url", f"http://127.0.0.1:{args.port}"]
+        argv += ["--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts)]
+        argv += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+        argv += ["--vocab-size", str(vocab), "--seed", str(seed), "--json-out", str(out), "--loop", args.client_loop]
+        # NOTE: posix_spawn, not fork: a forked child shares the server's pages copy-on-write, and
+        # every page the engine then writes (the KV pool, ~1 GB a phase) takes a fault the real
+        # server, whose client is started elsewhere, never pays (~300,000 a phase, measured).
+        with open(os.devnull, "wb") as devnull:
+            pid = os.posix_spawn(
+                sys.executable, argv, dict(os.environ), file_actions=[(os.POSIX_SPAWN_DUP2, devnull.fileno(), 1)]
+            )
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"kvpager bench serve exited with {os.waitstatus_to_exitcode(status)}")
         r = json.loads(out.read_text())
     tokens = r["output_throughput"] * r["duration_s"]
     return {"seconds": r["duration_s"], "output_tokens": tokens, "tok_s": r["output_throughput"]}
@@ -106,9 +99,12 @@ async def orchestrate(args: argparse.Namespace, server: Any, async_engine: Any) 
     for i, kind in enumerate(order):
         seed = 1000 + i
         loop_cpu, child = _thread_user_system(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if kind == "offline":
             prompts = [list(p) for p in make_prompts(args.num_prompts, args.input_len, "ids", vocab, seed)]
-            res = await async_engine.run_in_engine(lambda e, p=prompts: offline_phase(e, p, args.output_len))
+            # NOTE: on this (the main) thread, as `kvpager bench throughput` runs it; the event loop
+            # waits meanwhile and the engine's own thread is idle (no request is in flight).
+            res = offline_phase(async_engine.engine, prompts, args.output_len)
         else:
             res = await serve_phase(args, seed, vocab)
         after, loop_after = resource.getrusage(resource.RUSAGE_CHILDREN), _thread_user_system()
@@ -117,15 +113,17 @@ async def orchestrate(args: argparse.Namespace, server: Any, async_engine: Any) 
             "index": i,
             "clock": time.strftime("%H:%M:%S"),
             **res,
-            "event_loop_user_s": loop_after[0] - loop_cpu[0],
-            "event_loop_system_s": loop_after[1] - loop_cpu[1],
+            # the event loop's CPU in a serve phase; the engine's own in an offline one
+            "main_thread_user_s": loop_after[0] - loop_cpu[0],
+            "main_thread_system_s": loop_after[1] - loop_cpu[1],
             "client_cpu_s": after.ru_utime + after.ru_stime - child.ru_utime - child.ru_stime,
+            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
         }
         print(
             f"{res['clock']} {kind:8s} {res['output_tokens']:6.0f} tokens {res['seconds']:7.2f} s "
-            f"{res['tok_s']:7.1f} tok/s  event loop user {res['event_loop_user_s']:5.2f} s "
-            f"system {res['event_loop_system_s']:5.2f} s  "
-            f"client CPU {res['client_cpu_s']:5.2f} s",
+            f"{res['tok_s']:7.1f} tok/s  main thread user {res['main_thread_user_s']:5.2f} s "
+            f"system {res['main_thread_system_s']:5.2f} s  "
+            f"client CPU {res['client_cpu_s']:5.2f} s  page faults {res['minor_faults']}",
             flush=True,
         )
         phases.append(res)
