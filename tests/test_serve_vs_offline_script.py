@@ -45,3 +45,12 @@ def test_serve_vs_offline_refuses_a_batch_limit_other_than_the_concurrency(llama
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 2
     assert "--max-num-seqs must equal --concurrency (4)" in proc.stderr
+
+
+def test_serve_vs_offline_stops_its_server_when_the_client_fails(llama_checkpoint: Path) -> None:
+    argv = [sys.executable, "scripts/serve_vs_offline.py", "--rounds", "1", "--concurrency", "2", "--num-prompts", "2"]
+    argv += ["--input-len", "8", "--output-len", "2", "--port", str(free_port()), "--client-loop", "no-such-loop"]
+    argv += ["--", "--model", str(llama_checkpoint), "--log-level", "warning", "--num-threads", "1"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180, env=ENV)
+    assert proc.returncode != 0
+    assert "kvpager bench serve exited with 2" in proc.stderr
