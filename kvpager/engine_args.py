@@ -36,6 +36,9 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+
+
 def bytes_arg(text: str) -> int:
     """`parse_bytes` as an argparse `type` (a bad size is a usage error naming the flag)."""
     try:
@@ -51,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=bytes_arg, default=None, help="KV pool budget, e.g. 2GiB")

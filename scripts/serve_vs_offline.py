@@ -37,11 +37,12 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from kvpager.bench.serve import make_prompts
+from kvpager.bench.serve import event_loop_factory, make_prompts
 from kvpager.bench.throughput import run_batched
 from kvpager.sampling_params import SamplingParams
 
@@ -155,24 +156,13 @@ def ratios(phases: list[dict[str, Any]]) -> list[float]:
 
 
 def _thread_user_system() -> tuple[float, float]:
-    """This (the event loop's) thread's user and system CPU seconds so far (Linux; zeros elsewhere)."""
-    import os
-    import threading
-
+    """This (the main) thread's user and system CPU seconds so far (Linux; zeros elsewhere)."""
     try:
         fields = Path(f"/proc/self/task/{threading.get_native_id()}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return 0.0, 0.0
     ticks = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / ticks, int(fields[12]) / ticks
-
-
-def _loop_factory() -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def main(argv: list[str]) -> int:
@@ -199,7 +189,7 @@ def main(argv: list[str]) -> int:
         phases.extend(await task)
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:  # uvloop, as `kvpager serve` runs
+        with asyncio.Runner(loop_factory=event_loop_factory("auto")) as runner:  # uvloop, as `kvpager serve` runs
             runner.run(both())
     finally:
         async_engine.shutdown()

@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _loop_factory(choice: str) -> Any:
+def event_loop_factory(choice: str) -> Any:
     """The client's event loop (uvicorn's `--loop` choices). `auto` takes uvloop where installed:
     the client shares the CPU with the server it measures, so its own per-token cost (an event and
     a JSON parse per streamed token) is kept low."""
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvpager bench serve: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory(args.loop)) as runner:
             result = runner.run(run_bench(args))
     except (RuntimeError, OSError) as exc:
         print(f"kvpager bench serve: error: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpager.bench import report
 from kvpager.config import DTYPE_BYTES, EngineConfig
-from kvpager.engine_args import bytes_arg
+from kvpager.engine_args import KV_CACHE_DTYPE_CHOICES, bytes_arg
 from kvpager.kv.kv_manager import cdiv
 from kvpager.model.spec import load_model_spec
 from kvpager.sampling_params import SamplingParams
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=KV_CACHE_DTYPE_CHOICES,
         help="KV cache dtype, as `kvpager serve`'s (default auto: the model's)",
     )
     return p
