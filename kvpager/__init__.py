@@ -12,22 +12,22 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
 
 if TYPE_CHECKING:
-    from kvpager.config import EngineConfig
-    from kvpager.llm import LLM
-    from kvpager.sampling_params import SamplingParams
+    from kvpager.api.llm import LLM
+    from kvpager.core.config import EngineConfig
+    from kvpager.core.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from kvpager.llm import LLM
+        from kvpager.api.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from kvpager.sampling_params import SamplingParams
+        from kvpager.core.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":
-        from kvpager.config import EngineConfig
+        from kvpager.core.config import EngineConfig
 
         return EngineConfig
     raise AttributeError(f"module 'kvpager' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 import sys
 
-from kvpager.cli import main
+from kvpager.cli.main import main
 
 sys.exit(main())

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpager.kernels.build import load_cpu_kernels  # noqa: E402
 from kvpager.model.attention import build_attention_metadata  # noqa: E402
-from kvpager.model.ops import CpuKernelOps, TorchOps  # noqa: E402
+from kvpager.model.backends.kernels.build import load_cpu_kernels  # noqa: E402
+from kvpager.model.backends.ops import CpuKernelOps, TorchOps  # noqa: E402
 
 
 def main() -> None:

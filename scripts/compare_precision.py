@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpager.llm import LLM  # noqa: E402
+from kvpager.api.llm import LLM  # noqa: E402
+from kvpager.core.sampling_params import SamplingParams  # noqa: E402
+from kvpager.engine.paths import demo_model_dir  # noqa: E402
 from kvpager.model.attention import allocate_kv_cache, build_attention_metadata  # noqa: E402
 from kvpager.model.loader import load_model  # noqa: E402
 from kvpager.model.precision import fp32_matmul_precision  # noqa: E402
-from kvpager.paths import demo_model_dir  # noqa: E402
-from kvpager.sampling_params import SamplingParams  # noqa: E402
 
 CONFIGS = (("highest", "float32"), ("medium", "float32"), ("highest", "bfloat16"), ("medium", "bfloat16"))
 

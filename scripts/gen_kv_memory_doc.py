@@ -1,7 +1,7 @@
 """Regenerate docs/kv-memory.md and docs/kv-memory.zh-CN.md from live `kvpager plan` output.
 
 Every number in those documents is printed by a `kvpager plan ...` command shown beside it; this script
-runs each command in-process (kvpager.planner.cli.main) and pastes the output, so the documents can
+runs each command in-process (kvpager.cli.plan.main) and pastes the output, so the documents can
 never drift from the planner. Usage: python scripts/gen_kv_memory_doc.py [--check]
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvpager.planner.cli import main as plan_main  # noqa: E402
+from kvpager.cli.plan import main as plan_main  # noqa: E402
 from kvpager.planner.units import format_bytes  # noqa: E402
 
 Lang = str  # "en" | "zh"
@@ -214,7 +214,7 @@ recomputing costs prefill FLOPs (quadratic in the prefix, section 1).
 
 ## 6. The engine allocates exactly what the planner predicts
 
-The kvpager engine and `kvpager plan` size the pool with the same function (`kvpager.kv.sizing.pool_size`):
+The kvpager engine and `kvpager plan` size the pool with the same function (`kvpager.core.sizing.pool_size`):
 blocks = ⌊budget ÷ (2 × layers × KV heads × head_dim × dtype bytes × block_size)⌋. Given an engine configuration
 (`--kv-cache-memory`, `--block-size`, `--kv-dtype`, `--max-model-len`) plan prints the block count the engine
 logs at start-up:
@@ -333,7 +333,7 @@ llama.cpp server 把上下文切成固定槽位，Ollama 为 num_parallel 个请
 
 ## 6. 引擎分配的正是规划器预测的
 
-kvpager 引擎和 `kvpager plan` 用同一个函数（`kvpager.kv.sizing.pool_size`）确定缓存池大小：
+kvpager 引擎和 `kvpager plan` 用同一个函数（`kvpager.core.sizing.pool_size`）确定缓存池大小：
 块数 = ⌊预算 ÷（2 × 层数 × KV 头数 × head_dim × 数据类型字节数 × block_size）⌋。给定引擎配置
 （`--kv-cache-memory`、`--block-size`、`--kv-dtype`、`--max-model-len`），plan 打印的块数与引擎启动时日志中的一致：
 

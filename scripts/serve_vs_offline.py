@@ -44,7 +44,7 @@ from typing import Any
 
 from kvpager.bench.serve import event_loop_factory, make_prompts
 from kvpager.bench.throughput import run_batched
-from kvpager.sampling_params import SamplingParams
+from kvpager.core.sampling_params import SamplingParams
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -168,7 +168,7 @@ def _thread_user_system() -> tuple[float, float]:
 def main(argv: list[str]) -> int:
     import uvicorn
 
-    from kvpager.server.cli import build_parser, build_server, config_from_args, settings_from_args
+    from kvpager.cli.serve import build_parser, build_server, config_from_args, settings_from_args
 
     args, serve_argv = parse(argv)
     serve_args = build_parser().parse_args(serve_argv)

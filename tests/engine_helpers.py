@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.sampling_params import SamplingParams
+from kvpager.core.config import EngineConfig
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.engine import Engine
 
 TINY_BLOCK = 4
 TINY_BLOCK_BYTES = TINY_BLOCK * 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, K+V, 2 KV heads, head_dim 16, fp32

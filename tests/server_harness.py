@@ -99,7 +99,7 @@ def wait_for_metric(url: str, name: str, want: float, timeout: float = 5.0) -> f
 
 def make_cjk_checkpoint(path: Path) -> Path:
     """A tiny random Llama whose greedy continuation after a byte of CJK_TEXT cycles through CJK_TEXT."""
-    from kvpager.tokenizer import Tokenizer
+    from kvpager.text.tokenizer import Tokenizer
 
     make_llama_checkpoint(path)
     ids = Tokenizer.from_dir(path).encode(CJK_TEXT, add_special_tokens=False)
@@ -117,6 +117,6 @@ def make_cjk_checkpoint(path: Path) -> Path:
 
 
 def cjk_token_ids(path: Path) -> list[int]:
-    from kvpager.tokenizer import Tokenizer
+    from kvpager.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(path).encode(CJK_TEXT, add_special_tokens=False)

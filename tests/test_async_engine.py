@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpager.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.outputs import RequestOutput
-from kvpager.sampling_params import SamplingParams
+from kvpager.core.config import EngineConfig
+from kvpager.core.outputs import RequestOutput
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvpager.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

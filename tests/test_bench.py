@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvpager.bench.allocators import FirstFitAllocator, PagedAllocator, SlotAllocator
-from kvpager.bench.cli import main as bench_main
 from kvpager.bench.dummy_models import make_dummy_model_dir
 from kvpager.bench.memory import make_allocators, make_trace, simulate
+from kvpager.cli.bench import main as bench_main
 
 torch.set_num_threads(1)
 

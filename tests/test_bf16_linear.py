@@ -1,4 +1,4 @@
-"""The packed bfloat16 linear used at fp32_matmul_precision="medium" (kvpager/model/bf16_linear.py)."""
+"""The packed bfloat16 linear used at fp32_matmul_precision="medium" (kvpager/model/backends/bf16_linear.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpager.model.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
-from kvpager.model.ops import SMALL_BATCH_LINEAR, select_ops
+from kvpager.model.backends.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
+from kvpager.model.backends.ops import SMALL_BATCH_LINEAR, select_ops
 from kvpager.model.precision import fp32_matmul_precision
 
 pytestmark = pytest.mark.skipif(not native_bf16_matmul_available(), reason="this CPU has no native bf16 matmul")

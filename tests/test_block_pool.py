@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpager.kv.block_pool import BlockPool
-from kvpager.kv.hashing import BlockHash, hash_prompt_blocks
+from kvpager.core.block_pool import BlockPool
+from kvpager.core.hashing import BlockHash, hash_prompt_blocks
 
 SEED = b"\x00" * 32
 BS = 2

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.planner.cli import main as plan_main
+from kvpager.cli.plan import main as plan_main
+from kvpager.core.config import EngineConfig
+from kvpager.engine.engine import Engine
 
 
 @pytest.mark.parametrize(("budget", "block_size", "max_model_len"), [(1 << 20, 16, 256), (777_777, 5, 100)])

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kvpager.kv.codec import available_codecs, get_codec, measure
+from kvpager.kvstore.codec import available_codecs, get_codec, measure
 
 torch.set_num_threads(1)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpager.kernels.build import KernelLibrary, load_cpu_kernels
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
-from kvpager.model.ops import (
+from kvpager.model.backends.kernels.build import KernelLibrary, load_cpu_kernels
+from kvpager.model.backends.ops import (
     BLOCKED_KERNEL_MAX_ROWS,
     DECODE_PARTITION,
     PREFILL_KERNEL_MAX_CONTEXT,
@@ -27,7 +27,7 @@ from kvpager.model.ops import (
     TorchOps,
     select_ops,
 )
-from kvpager.model.weight_layout import block_stride, blocked_stride, to_blocked
+from kvpager.model.backends.weight_layout import block_stride, blocked_stride, to_blocked
 
 REL = 1e-5
 REF = TorchOps()
@@ -164,7 +164,7 @@ def test_blocked_linear_above_the_row_limit_runs_in_torch_on_an_unblocked_copy(k
 def test_a_weight_too_big_for_the_scratch_stays_in_the_kernel_at_any_row_count(
     kops: SpyOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvpager.model.ops as ops_module
+    import kvpager.model.backends.ops as ops_module
 
     monkeypatch.setattr(ops_module, "UNBLOCK_SCRATCH_MAX_BYTES", 96 * 64 * 4 - 1)
     rows = BLOCKED_KERNEL_MAX_ROWS + 1
@@ -446,7 +446,7 @@ def test_select_ops_picks_the_backend_and_rejects_what_the_kernels_cannot_run() 
 
 
 def test_build_without_a_compiler_is_a_clear_error(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpager.kernels.build import KernelBuildError, build
+    from kvpager.model.backends.kernels.build import KernelBuildError, build
 
     monkeypatch.setenv("KVPAGER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
@@ -456,7 +456,7 @@ def test_build_without_a_compiler_is_a_clear_error(tmp_path: Any, monkeypatch: p
 
 
 def test_build_caches_the_library_per_source_flags_and_cpu(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpager.kernels.build import build
+    from kvpager.model.backends.kernels.build import build
 
     monkeypatch.setenv("KVPAGER_CACHE_DIR", str(tmp_path))
     first = build()
@@ -469,8 +469,8 @@ def test_build_caches_the_library_per_source_flags_and_cpu(tmp_path: Any, monkey
 def test_auto_falls_back_to_torch_when_the_kernels_cannot_build(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import kvpager.model.ops as ops_module
-    from kvpager.kernels.build import KernelBuildError
+    import kvpager.model.backends.ops as ops_module
+    from kvpager.model.backends.kernels.build import KernelBuildError
 
     def fail() -> KernelLibrary:
         raise KernelBuildError("no C++ compiler found")

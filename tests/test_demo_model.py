@@ -159,8 +159,8 @@ def test_held_out_passage_perplexity_is_far_below_uniform(model: Any, tokenizer:
 def test_kvpager_generate_on_the_demo_model_continues_like_the_corpus_and_matches_transformers(
     model: Any, tokenizer: Any
 ) -> None:
-    from kvpager.llm import LLM
-    from kvpager.sampling_params import SamplingParams
+    from kvpager.api.llm import LLM
+    from kvpager.core.sampling_params import SamplingParams
 
     prompt = "And the LORD spake unto Moses, saying,"
     llm = LLM(kv_cache_memory=16 << 20)  # no model: the bundled demo model

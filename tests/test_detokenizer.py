@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kvpager.detokenizer import IncrementalDetokenizer, StopChecker
-from kvpager.tokenizer import Tokenizer
+from kvpager.text.detokenizer import IncrementalDetokenizer, StopChecker
+from kvpager.text.tokenizer import Tokenizer
 
 ENGLISH = (
     "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun and we talk about text".split()

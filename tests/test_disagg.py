@@ -20,12 +20,12 @@ import httpx
 import pytest
 from server_harness import ServerProcess, launch_server, metric
 
-from kvpager.async_engine import AsyncEngine, EngineDeadError
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.llm import LLM
-from kvpager.sampling_params import SamplingParams
-from kvpager.server.disagg import PrefillClient, PrefillSettings
+from kvpager.api.llm import LLM
+from kvpager.api.server.disagg import PrefillClient, PrefillSettings
+from kvpager.core.config import EngineConfig
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.async_engine import AsyncEngine, EngineDeadError
+from kvpager.engine.engine import Engine
 
 BLOCK = 8
 MAX_TOKENS = 8

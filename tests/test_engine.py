@@ -11,11 +11,11 @@ import pytest
 import torch
 from engine_helpers import run_greedy
 
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.engine_args import add_engine_args, config_from_args
-from kvpager.llm import LLM
-from kvpager.sampling_params import SamplingParams
+from kvpager.api.llm import LLM
+from kvpager.cli.engine_args import add_engine_args, config_from_args
+from kvpager.core.config import EngineConfig
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.engine import Engine
 
 # Tiny llama (tests/checkpoints.py): 2 layers, 2 KV heads, head_dim 16, fp32 → 512 bytes per token.
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpager.generate import main as generate_main
-from kvpager.llm import LLM
-from kvpager.sampling_params import SamplingParams
+from kvpager.api.llm import LLM
+from kvpager.cli.generate import main as generate_main
+from kvpager.core.sampling_params import SamplingParams
 
 PROMPT = "The quick brown"
 FLAGS = ["--max-tokens", "6", "--ignore-eos", "--kv-cache-memory", "4MiB"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvpager.kv.hashing import hash_block, hash_prompt_blocks, model_fingerprint, token_bytes
+from kvpager.core.hashing import hash_block, hash_prompt_blocks, model_fingerprint, token_bytes
 
 SEED = model_fingerprint("LlamaForCausalLM", "w" * 64, "float32", 4, "t" * 64)
 
@@ -60,7 +60,7 @@ def test_fingerprint_changes_with_every_field() -> None:
 
 def test_hashes_are_identical_in_another_process() -> None:
     code = (
-        "from kvpager.kv.hashing import hash_prompt_blocks, model_fingerprint;"
+        "from kvpager.core.hashing import hash_prompt_blocks, model_fingerprint;"
         "s = model_fingerprint('LlamaForCausalLM', 'w' * 64, 'float32', 4, 't' * 64);"
         "print(hash_prompt_blocks(s, list(range(12)), 4)[-1].hex())"
     )
@@ -70,6 +70,6 @@ def test_hashes_are_identical_in_another_process() -> None:
 
 
 def test_hashing_does_not_import_torch() -> None:
-    code = "import sys, kvpager.scheduler, kvpager.kv.kv_manager; print('torch' in sys.modules)"
+    code = "import sys, kvpager.core.scheduler, kvpager.core.kv_cache_manager; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.kv.cli import main, prompt_token_ids
-from kvpager.sampling_params import SamplingParams
+from kvpager.cli.kv import main, prompt_token_ids
+from kvpager.core.config import EngineConfig
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.engine import Engine
 
 TEXT = "Prefill writes the state for the prompt; decode appends one position per step. " * 3
 ENGINE_FLAGS = ["--block-size", "4", "--kv-cache-memory", "1MiB"]

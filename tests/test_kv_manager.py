@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvpager.kv.hashing import RequestId, hash_prompt_blocks
-from kvpager.kv.kv_manager import KVCacheManager
-from kvpager.request import Request
+from kvpager.core.hashing import RequestId, hash_prompt_blocks
+from kvpager.core.kv_cache_manager import KVCacheManager
+from kvpager.core.request import Request
 
 SEED = b"\x01" * 32
 BS = 4

@@ -12,10 +12,10 @@ import pytest
 import torch
 from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
 
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.kv.pack import PackHeader, decode_payload, encode_payload
-from kvpager.sampling_params import SamplingParams
+from kvpager.core.config import EngineConfig
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.engine import Engine
+from kvpager.kvstore.pack import PackHeader, decode_payload, encode_payload
 
 BLOCK = TINY_BLOCK
 BLOCK_BYTES = TINY_BLOCK_BYTES

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
 
-from kvpager.config import KV_CODECS, EngineConfig
-from kvpager.engine import Engine
-from kvpager.engine_args import add_engine_args, config_from_args
-from kvpager.kv.codec import available_codecs
-from kvpager.kv.hashing import hash_prompt_blocks
+from kvpager.cli.engine_args import add_engine_args, config_from_args
+from kvpager.core.config import KV_CODECS, EngineConfig
+from kvpager.core.hashing import hash_prompt_blocks
+from kvpager.engine.engine import Engine
+from kvpager.kvstore.codec import available_codecs
 
 BLOCK = TINY_BLOCK
 BLOCK_BYTES = TINY_BLOCK_BYTES
@@ -119,7 +119,7 @@ def test_bad_disk_records_are_skipped_logged_and_never_loaded(
     paths[2].write_bytes(foreign.read_bytes())
 
     reader = Engine(config(llama_checkpoint, kv_cache_dir=str(tmp_path)))
-    with caplog.at_level(logging.WARNING, logger="kvpager.kv.tiers"):
+    with caplog.at_level(logging.WARNING, logger="kvpager.kvstore.tiers"):
         for i, prompt in enumerate(victims):
             assert greedy(reader, prompt) == (reference[f"f{i}"], 0)
     stats = reader.kv_tier_stats()

@@ -28,9 +28,9 @@ from kvpager.model import (
     load_model,
     load_model_spec,
 )
+from kvpager.model.backends.weight_layout import blocked_stride, logical_shape
 from kvpager.model.llama import CausalLM
 from kvpager.model.precision import fp32_matmul_precision
-from kvpager.model.weight_layout import blocked_stride, logical_shape
 
 ATOL = 1e-4
 BF16_KV_ATOL = 1e-3

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvpager.kv.hashing import hash_prompt_blocks, model_fingerprint
-from kvpager.kv.pack import (
+from kvpager.core.hashing import hash_prompt_blocks, model_fingerprint
+from kvpager.kvstore.pack import (
     PACK_MAGIC,
     ModelFacts,
     PackExpectation,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpager.kv.sizing import KVShape, pool_size
+from kvpager.core.sizing import KVShape, pool_size
 from kvpager.planner import kvmath
 from kvpager.planner.devices import Device, default_reserve
 from kvpager.planner.models import (

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvpager.planner.cli import main
+from kvpager.cli.plan import main
 from kvpager.planner.devices import measure_cpu
 
 REQUIRED_JSON_KEYS = {

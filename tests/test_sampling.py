@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvpager.sampling import (
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.worker.sampler import (
     Sampler,
     SamplingRow,
     apply_min_p,
@@ -16,7 +17,6 @@ from kvpager.sampling import (
     make_generator,
     row_argmax,
 )
-from kvpager.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

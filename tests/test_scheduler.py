@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpager.kv.hashing import RequestId
-from kvpager.kv.kv_manager import KVCacheManager
-from kvpager.request import Request, RequestStatus
-from kvpager.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpager.core.hashing import RequestId
+from kvpager.core.kv_cache_manager import KVCacheManager
+from kvpager.core.request import Request, RequestStatus
+from kvpager.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 SEED = b"\x02" * 32
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 from server_harness import CJK_TEXT, ServerProcess, launch_server, make_cjk_checkpoint, metric, wait_for_metric
 
-from kvpager.llm import LLM
-from kvpager.sampling_params import SamplingParams
+from kvpager.api.llm import LLM
+from kvpager.core.sampling_params import SamplingParams
 
 KV_MEMORY = 4 << 20
 BLOCK_SIZE = 16
@@ -290,7 +290,7 @@ def test_metrics_expose_the_vllm_style_names(server: ServerProcess, client: open
 def test_chat_cli_streams_replies_from_a_server(
     server: ServerProcess, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvpager import chat
+    from kvpager.cli import chat
 
     lines = iter(["Hello, world!", "/reset", "Hello, world!", "/exit"])
     monkeypatch.setattr("builtins.input", lambda _prompt="": next(lines))
@@ -304,7 +304,7 @@ def test_chat_cli_streams_replies_from_a_server(
 
 
 def test_chat_in_process_backend_matches_offline_chat(llm: LLM) -> None:
-    from kvpager.chat import LocalBackend, chat_loop
+    from kvpager.cli.chat import LocalBackend, chat_loop
 
     lines = iter(["Hi there", "/exit"])
     written: list[str] = []
@@ -338,7 +338,7 @@ def test_build_server_freezes_the_startup_heap_and_starts_the_engine(llama_check
     """`kvpager serve` keeps what it built at start out of the GC's full collections."""
     import gc
 
-    from kvpager.server.cli import build_parser, build_server, config_from_args, settings_from_args
+    from kvpager.cli.serve import build_parser, build_server, config_from_args, settings_from_args
 
     args = build_parser().parse_args(["--model", str(llama_checkpoint), "--kv-cache-memory", "1MiB"])
     gc.unfreeze()

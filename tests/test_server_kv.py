@@ -18,10 +18,10 @@ import pytest
 from fastapi.testclient import TestClient
 from server_harness import ServerProcess, launch_server, metric
 
-from kvpager.async_engine import AsyncEngine
-from kvpager.config import EngineConfig
-from kvpager.engine import Engine
-from kvpager.server.app import ServerSettings, build_app
+from kvpager.api.server.app import ServerSettings, build_app
+from kvpager.core.config import EngineConfig
+from kvpager.engine.async_engine import AsyncEngine
+from kvpager.engine.engine import Engine
 
 BLOCK = 4
 KEY = "kv-secret"
@@ -193,7 +193,7 @@ def test_restarted_server_serves_a_seen_prefix_from_disk(
 
 
 def test_serve_flags_validate_the_roles() -> None:
-    from kvpager.server.cli import build_parser, settings_from_args
+    from kvpager.cli.serve import build_parser, settings_from_args
 
     def settings(*argv: str) -> ServerSettings:
         return settings_from_args(build_parser().parse_args(list(argv)))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpager.kv.codec import get_codec
-from kvpager.kv.hashing import BlockHash
-from kvpager.kv.tiers import DiskTier, HostTier, KVTiers
+from kvpager.core.hashing import BlockHash
+from kvpager.kvstore.codec import get_codec
+from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers
 
 torch.set_num_threads(1)
 
@@ -149,7 +149,7 @@ def test_disk_tier_skips_and_removes_a_corrupted_record(
     path = tier.path_for(block_hash(1))
     CORRUPTIONS[corruption](path)
     restarted = disk(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="kvpager.kv.tiers"):
+    with caplog.at_level(logging.WARNING, logger="kvpager.kvstore.tiers"):
         assert restarted.get(block_hash(1)) is None
     assert not path.exists() and not restarted.contains(block_hash(1))
     assert restarted.stats.skipped == 1 and restarted.stats.hits == 0
@@ -165,7 +165,7 @@ def test_disk_tier_refuses_a_record_copied_from_another_fingerprint(
     tier_a.put(block_hash(1), block(1))
     tier_b.put(block_hash(1), block(7))  # same hash, other model: different bytes
     shutil.copyfile(tier_a.path_for(block_hash(1)), tier_b.path_for(block_hash(1)))
-    with caplog.at_level(logging.WARNING, logger="kvpager.kv.tiers"):
+    with caplog.at_level(logging.WARNING, logger="kvpager.kvstore.tiers"):
         assert disk(tmp_path, fingerprint=FP_B).get(block_hash(1)) is None
     assert "fingerprint" in caplog.text
     assert same(disk(tmp_path).get(block_hash(1)), block(1))
@@ -238,7 +238,7 @@ def test_crash_during_write_leaves_nothing_loadable_or_behind(
 
     tier = disk(tmp_path)
     monkeypatch.setattr(os, "replace", failing_replace)
-    with caplog.at_level(logging.WARNING, logger="kvpager.kv.tiers"):
+    with caplog.at_level(logging.WARNING, logger="kvpager.kvstore.tiers"):
         assert not tier.put(block_hash(1), block(1))
     monkeypatch.undo()
     assert tier.stats.write_errors == 1 and "simulated crash" in caplog.text

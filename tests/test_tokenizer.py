@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from kvpager.tokenizer import Tokenizer
+from kvpager.text.tokenizer import Tokenizer
 
 TEMPLATE = """{%- set ns = namespace(system='') -%}
 {{ bos_token }}

@@ -1,4 +1,4 @@
-"""Linear weights in column blocks (kvpager.model.weight_layout): the same values, a layout the kernels read."""
+"""Linear weights in column blocks (kvpager.model.backends.weight_layout): the same values, a layout the kernels read."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvpager.model.weight_layout import (
+from kvpager.model.backends.weight_layout import (
     BLOCK,
     block_stride,
     blocked_stride,

@@ -16,9 +16,9 @@ import bisect
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpager.kv.hashing import RequestId
-from kvpager.kv.kv_manager import KVCacheManager, cdiv
-from kvpager.request import Request
+from kvpager.core.hashing import RequestId
+from kvpager.core.kv_cache_manager import KVCacheManager, cdiv
+from kvpager.core.request import Request
 
 
 class KVAllocator(Protocol):

@@ -30,10 +30,10 @@ from typing import Any
 
 from kvpager.bench import report
 from kvpager.bench.prefix import time_to_first_token
-from kvpager.config import DTYPE_BYTES, EngineConfig
-from kvpager.kv.kv_manager import cdiv
+from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.kv_cache_manager import cdiv
+from kvpager.core.sampling_params import SamplingParams
 from kvpager.model.spec import load_model_spec
-from kvpager.sampling_params import SamplingParams
 
 TARGET_SPEEDUP = 10.0
 CODECS = ("lossless", "fp16", "bf16", "int8", "int4", "lossless+zstd", "int8+zstd")
@@ -59,7 +59,7 @@ class Bench:
     """Shared set-up of one run: model, token generator, engine configs."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        from kvpager.engine_args import parse_bytes
+        from kvpager.cli.engine_args import parse_bytes
 
         self.args = args
         self.choice = report.choose_model(args, str(workdir))
@@ -77,7 +77,7 @@ class Bench:
 
     def engine(self, num_blocks: int, **kv: Any) -> Any:
         """A fresh engine whose pool holds `num_blocks`, warmed up by one short request."""
-        from kvpager.engine import Engine
+        from kvpager.engine.engine import Engine
 
         config = EngineConfig(
             model=self.choice.model_dir,
@@ -142,7 +142,7 @@ def measure_tiers(b: Bench, context: list[int], log: Any) -> tuple[dict[str, lis
 
 def codec_sizes(engine: Any, context: list[int]) -> dict[str, dict[str, float]]:
     """Payload bytes per token of each codec (the context is cached, so this only reads and encodes)."""
-    from kvpager.kv.pack import decode_payload
+    from kvpager.kvstore.pack import decode_payload
 
     num_tokens = len(context) // engine.config.block_size * engine.config.block_size
     reference = None

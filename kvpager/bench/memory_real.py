@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 
 def run_real(args: argparse.Namespace, summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run `--real-requests` requests through the engine once per mode; output tok/s per mode."""
-    from kvpager.config import DTYPE_BYTES, EngineConfig
-    from kvpager.engine import Engine
-    from kvpager.loading import load
+    from kvpager.core.config import DTYPE_BYTES, EngineConfig
+    from kvpager.core.sampling_params import SamplingParams
+    from kvpager.engine.engine import Engine
+    from kvpager.engine.loading import load
     from kvpager.model.spec import load_model_spec
-    from kvpager.sampling_params import SamplingParams
 
     report.set_threads(args.num_threads)
     choice = report.choose_model(args)

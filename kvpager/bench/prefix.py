@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpager.bench import report
-from kvpager.config import DTYPE_BYTES, EngineConfig
-from kvpager.kv.kv_manager import cdiv
+from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.kv_cache_manager import cdiv
+from kvpager.core.sampling_params import SamplingParams
 from kvpager.model.spec import load_model_spec
-from kvpager.sampling_params import SamplingParams
 
 TARGET_SPEEDUP = 20.0
 
@@ -61,7 +61,7 @@ def summarise(values: list[float]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    from kvpager.engine import Engine
+    from kvpager.engine.engine import Engine
 
     if args.prefix_len < 1 or args.suffix_len < 1 or args.repetitions < 1:
         raise ValueError("--prefix-len, --suffix-len and --repetitions must be >= 1")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpager.config import FP32_MATMUL_PRECISIONS
+from kvpager.core.config import FP32_MATMUL_PRECISIONS
 
 DEFAULT_NUM_THREADS = 2
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpager.bench import report
-from kvpager.config import DTYPE_BYTES, EngineConfig
-from kvpager.kv.kv_manager import cdiv
+from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.kv_cache_manager import cdiv
+from kvpager.core.sampling_params import SamplingParams
 from kvpager.model.spec import ModelSpec, load_model_spec
-from kvpager.sampling_params import SamplingParams
 
 TARGETS = {"batch1_memory_fraction": 0.70, "largest_batch_compute_fraction": 0.50}
 
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    from kvpager.engine import Engine
+    from kvpager.engine.engine import Engine
     from kvpager.model.precision import fp32_matmul_precision
 
     batches = [int(b) for b in args.batch_sizes.split(",") if b]

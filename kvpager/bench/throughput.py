@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpager.bench import report
-from kvpager.config import DTYPE_BYTES, EngineConfig
-from kvpager.engine_args import KV_CACHE_DTYPE_CHOICES, bytes_arg
-from kvpager.kv.kv_manager import cdiv
+from kvpager.cli.engine_args import KV_CACHE_DTYPE_CHOICES, bytes_arg
+from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.kv_cache_manager import cdiv
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.core.scheduler import Scheduler
 from kvpager.model.spec import load_model_spec
-from kvpager.sampling_params import SamplingParams
-from kvpager.scheduler import Scheduler
 
 ISSUE_TARGETS = {"speedup_issue2": 4.0, "speedup_issue6": 8.0, "kv_utilisation": 0.95}
 
@@ -137,7 +137,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    from kvpager.engine import Engine
+    from kvpager.engine.engine import Engine
 
     validate(args)
     report.set_threads(args.num_threads)

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from kvpager.model.attention import AttentionMetadata
-from kvpager.model.ops import TorchOps
+from kvpager.model.backends.ops import TorchOps
+from kvpager.model.backends.weight_layout import embedding_rows
 from kvpager.model.rope import RopeCache
 from kvpager.model.spec import ModelSpec
-from kvpager.model.weight_layout import embedding_rows
 
 
 class RMSNorm(nn.Module):

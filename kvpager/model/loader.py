@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvpager.model.backends.ops import select_ops
 from kvpager.model.llama import CausalLM
-from kvpager.model.ops import select_ops
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -35,7 +35,7 @@ def load_model(
     """Load the model in `model_dir` onto `device` in `dtype`.
 
     kernel_backend: "auto" (C++ kernels for float32 on CPU when they build, else torch), "torch" or
-    "cpu" (see kvpager.model.ops.select_ops); kv_dtype: the KV cache's dtype (default: `dtype`).
+    "cpu" (see kvpager.model.backends.ops.select_ops); kv_dtype: the KV cache's dtype (default: `dtype`).
 
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpager.kv.sizing import KVShape
+from kvpager.core.sizing import KVShape
 
 
 @dataclass(frozen=True)

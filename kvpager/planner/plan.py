@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpager.kv.sizing import KVShape, pool_size
+from kvpager.core.sizing import KVShape, pool_size
 from kvpager.planner import kvmath
 from kvpager.planner.devices import Device, Reserve, default_reserve
 from kvpager.planner.models import ModelFacts
@@ -218,7 +218,7 @@ def _add_decode_bound(plan: Plan, facts: ModelFacts, device: Device, counts: Par
 
 
 def _add_engine(plan: Plan, facts: ModelFacts, options: PlanOptions, kv_bytes: int) -> None:
-    """The kvpager engine's pool for this budget: same function, same numbers (kvpager.kv.sizing)."""
+    """The kvpager engine's pool for this budget: same function, same numbers (kvpager.core.sizing)."""
     if options.kv_cache_memory is None:
         return
     if facts.mla is not None:

@@ -1,0 +1,1 @@
+"""Public APIs: the offline LLM class and the OpenAI-compatible server."""

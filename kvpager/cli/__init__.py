@@ -1,0 +1,1 @@
+"""Command-line entry points: kvpager serve | generate | chat | plan | bench | kv."""

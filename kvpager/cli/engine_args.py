@@ -1,0 +1,129 @@
+"""Engine flags shared by `kvpager serve`, `generate`, `chat`, `bench` and `kv`, spelled like vLLM's."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from kvpager.core.config import FP32_MATMUL_PRECISIONS, KERNEL_BACKENDS, KV_CODECS, EngineConfig
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '2GB', '1e9', '1073741824' → bytes. Raises ValueError on anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 4GiB, 512MiB, 2GB, 1073741824)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+
+
+def bytes_arg(text: str) -> int:
+    """`parse_bytes` as an argparse `type` (a bad size is a usage error naming the flag)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
+    """Add the engine flags (vLLM spellings) to a subcommand's parser."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory (default: bundled demo)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=bytes_arg, default=None, help="KV pool budget, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument(
+        "--kernel-backend",
+        choices=KERNEL_BACKENDS,
+        default="auto",
+        help="auto: kvpager's fused C++ kernels for float32 on CPU (built once with the system compiler), "
+        "torch otherwise; torch: plain torch ops; cpu: the kernels or an error",
+    )
+    g.add_argument(
+        "--fp32-matmul-precision",
+        choices=FP32_MATMUL_PRECISIONS,
+        default="highest",
+        help="float32 matmuls (torch.set_float32_matmul_precision, while the model runs): highest: exact; "
+        "high: TF32 on CUDA; medium: bfloat16 inputs, float32 accumulation (AMX on recent Xeons: several "
+        "times faster batched steps, ~3 significant digits per product)",
+    )
+    add_kv_storage_args(parser)
+
+
+def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
+    """KV tiers and packs: host RAM tier, persistent disk tier, tier codec, packs pinned at start."""
+    g = parser.add_argument_group("KV tiers and packs")
+    g.add_argument(
+        "--host-kv-cache-memory", type=bytes_arg, default=None, help="host RAM tier for evicted KV blocks, e.g. 4GiB"
+    )
+    g.add_argument("--kv-cache-dir", default=None, help="persistent disk tier directory (survives restarts)")
+    g.add_argument(
+        "--kv-cache-dir-max-bytes", type=bytes_arg, default=None, help="disk tier size bound (default 10GiB)"
+    )
+    g.add_argument(
+        "--kv-codec", default="lossless", choices=list(KV_CODECS), help="tier block codec (lossy ones are opt-in)"
+    )
+    g.add_argument(
+        "--kv-pack", action="append", default=None, dest="kv_packs", help="KV pack pinned at start (repeatable)"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the frozen EngineConfig from parsed flags (ValueError names a bad value)."""
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        kernel_backend=args.kernel_backend,
+        fp32_matmul_precision=args.fp32_matmul_precision,
+        host_kv_cache_memory=args.host_kv_cache_memory,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_dir_max_bytes=args.kv_cache_dir_max_bytes,
+        kv_codec=args.kv_codec,
+        kv_packs=tuple(args.kv_packs or ()),
+    )

@@ -1,0 +1,146 @@
+"""Engine configuration: validated once, frozen; derived values come from functions.
+
+Torch-free on purpose: the planner, the scheduler and the CLI read it without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KERNEL_BACKENDS = ("auto", "torch", "cpu")
+FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
+# NOTE: must equal kvpager.kvstore.codec.available_codecs() (kept here so config stays torch-free; a test pins it).
+KV_CODECS = tuple(
+    f"{base}{suffix}" for suffix in ("", "+zstd") for base in ("lossless", "fp16", "bf16", "int8", "int4")
+)
+DEFAULT_KV_CACHE_DIR_MAX_BYTES = 10 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. Names follow vLLM's flags where the concept is the same.
+
+    `kv_cache_memory` is the KV pool budget in bytes. When it is None the engine picks a default:
+    a fraction (`gpu_memory_utilization`) of free device memory on CUDA, or `cpu_kv_fraction` of
+    the available RAM on CPU (see `kvpager.core.sizing.default_kv_budget`).
+
+    KV tiers and packs (docs/kv-memory.md): `host_kv_cache_memory` bounds the host RAM tier that
+    keeps blocks the device pool evicts; `kv_cache_dir` enables the persistent disk tier (bounded by
+    `kv_cache_dir_max_bytes`, 10 GiB when None); `kv_codec` encodes tier blocks (lossless unless a
+    lossy codec is chosen); `kv_packs` are pack files loaded and pinned in the prefix cache at start.
+    """
+
+    model: str | None = None  # None: the bundled demo model
+    tokenizer: str | None = None  # None: same directory as the model
+    load_format: str = "auto"
+    dtype: str = "float32"  # compute dtype
+    kv_cache_dtype: str = "auto"  # "auto": same as dtype
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_fraction: float = 0.25
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
+    kernel_backend: str = "auto"  # "auto" | "torch" | "cpu": fused C++ kernels for float32 on CPU (model/ops.py)
+    # float32 matmuls while the model runs: "highest" exact; "high" TF32 on CUDA; "medium" bf16 inputs with
+    # float32 accumulation (AMX / oneDNN on CPU): torch.set_float32_matmul_precision, scoped to the forward.
+    fp32_matmul_precision: str = "highest"
+    host_kv_cache_memory: int | None = None  # bytes of host RAM for the host KV tier; None: no host tier
+    kv_cache_dir: str | None = None  # persistent disk KV tier; None: no disk tier
+    kv_cache_dir_max_bytes: int | None = None  # None: DEFAULT_KV_CACHE_DIR_MAX_BYTES
+    kv_codec: str = "lossless"  # codec of host/disk tier blocks (lossy ones are opt-in)
+    kv_packs: tuple[str, ...] = ()  # KV pack files pinned in the prefix cache at start
+
+    def __post_init__(self) -> None:
+        _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _check(
+            self.dtype in ("float32", "float16", "bfloat16"),
+            f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        _check(
+            self.kv_cache_dtype == "auto" or self.kv_cache_dtype in ("float32", "float16", "bfloat16"),
+            f"kv_cache_dtype must be 'auto', float32, float16 or bfloat16, got {self.kv_cache_dtype!r}",
+        )
+        _check(
+            self.kernel_backend in KERNEL_BACKENDS,
+            f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}",
+        )
+        _check(
+            self.fp32_matmul_precision in FP32_MATMUL_PRECISIONS,
+            f"fp32_matmul_precision must be one of {FP32_MATMUL_PRECISIONS}, got {self.fp32_matmul_precision!r}",
+        )
+        _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _check(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(0.0 < self.cpu_kv_fraction <= 1.0, f"cpu_kv_fraction must be in (0, 1], got {self.cpu_kv_fraction}")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+        )
+        _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        self._check_kv_storage()
+
+    def _check_kv_storage(self) -> None:
+        _check(
+            self.host_kv_cache_memory is None or self.host_kv_cache_memory > 0,
+            f"host_kv_cache_memory must be > 0 bytes, got {self.host_kv_cache_memory}",
+        )
+        _check(self.kv_cache_dir is None or bool(self.kv_cache_dir), "kv_cache_dir must be a non-empty path or None")
+        _check(
+            self.kv_cache_dir_max_bytes is None or self.kv_cache_dir is not None,
+            "kv_cache_dir_max_bytes is set but kv_cache_dir is not; set --kv-cache-dir too",
+        )
+        _check(
+            self.kv_cache_dir_max_bytes is None or self.kv_cache_dir_max_bytes > 0,
+            f"kv_cache_dir_max_bytes must be > 0 bytes, got {self.kv_cache_dir_max_bytes}",
+        )
+        _check(self.kv_codec in KV_CODECS, f"kv_codec must be one of {', '.join(KV_CODECS)}; got {self.kv_codec!r}")
+        if isinstance(self.kv_packs, list):  # NOTE: normalised once at construction; the field stays a tuple
+            object.__setattr__(self, "kv_packs", tuple(self.kv_packs))
+        _check(
+            isinstance(self.kv_packs, tuple) and all(isinstance(p, str) and p for p in self.kv_packs),
+            f"kv_packs must be a tuple of file paths, got {self.kv_packs!r}",
+        )
+        uses_cache = bool(self.kv_packs) or self.host_kv_cache_memory is not None or self.kv_cache_dir is not None
+        _check(
+            self.enable_prefix_caching or not uses_cache,
+            "KV tiers and KV packs need prefix caching; drop --no-enable-prefix-caching or the tier/pack flags",
+        )
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def resolved_kv_cache_dir_max_bytes(self) -> int:
+        """The disk tier's size bound in bytes (the default when unset)."""
+        return self.kv_cache_dir_max_bytes or DEFAULT_KV_CACHE_DIR_MAX_BYTES
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

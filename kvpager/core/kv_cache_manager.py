@@ -1,0 +1,229 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool, with prefix caching. Torch-free.
+
+A request's block table covers its computed positions plus the ones scheduled this step. Full blocks
+whose tokens are known are hashed and registered in the cache when they are *allocated* (like vLLM
+v1), not when the forward has run: a request admitted in the same step then hits them, which is
+exact because every layer writes all new K/V before any sequence attends (docs/internals.md).
+
+Blocks missing from the device pool may come from a `BlockSource` (the KV tiers below the pool, a
+loaded KV pack): a lookup continues the hash chain into the source, copies each hit into a fresh
+device block and registers it, so the rest of the engine only ever sees ordinary cached blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvpager.core.block_pool import BlockPool, EvictCallback
+from kvpager.core.hashing import BlockHash, RequestId, extend_block_hashes
+from kvpager.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockSource(Protocol):
+    """Where a block missing from the device pool may be found, by hash (KV tiers, a loaded pack)."""
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether `load_into` may succeed (cheap; no data is read)."""
+        ...
+
+    def load_into(self, block_hash: BlockHash, block_id: int) -> bool:
+        """Write the block's K/V into device block `block_id`; False when it cannot (e.g. a bad record)."""
+        ...
+
+
+class BlockStore(BlockSource, Protocol):
+    """A source that also keeps what the device pool evicts (the KV tiers)."""
+
+    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        """Copy the block out before the pool reuses it (see `BlockPool.on_evict`)."""
+        ...
+
+
+class KVCacheManager:
+    """Block tables per request. `hash_seed` is the model fingerprint (root of every hash chain)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool = True,
+        hash_seed: bytes = b"",
+        on_evict: EvictCallback | None = None,
+        store: BlockStore | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if store is not None:
+            if on_evict is not None:
+                raise ValueError("pass either on_evict or store (whose on_evict is used), not both")
+            on_evict = store.on_evict
+        self.store = store
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.hash_seed = hash_seed
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self._req_to_blocks: dict[RequestId, list[int]] = {}
+        self._req_to_hashes: dict[RequestId, list[BlockHash]] = {}
+        # Leading blocks of each table already offered to the cache (registered or duplicates).
+        self._req_to_num_cached_blocks: dict[RequestId, int] = {}
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool owned by requests or pins (0.0 .. 1.0)."""
+        return self.block_pool.num_owned_blocks / self.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can ever hold: the pool minus pinned blocks (e.g. KV packs)."""
+        return self.num_blocks - self.block_pool.num_pinned_blocks
+
+    def block_ids(self, request_id: RequestId) -> tuple[int, ...]:
+        """The request's whole block table (empty when it holds none)."""
+        return tuple(self._req_to_blocks.get(request_id, ()))
+
+    def block_hashes(self, request_id: RequestId) -> list[BlockHash]:
+        """Hashes of the request's full, scheduled blocks, aligned with `block_ids(request_id)`.
+
+        Empty without caching or for an unknown request. (A block may hold its hash without being the
+        cache's copy of it when another block registered the same hash first.)
+        """
+        num_full = self._req_to_num_cached_blocks.get(request_id, 0)
+        return list(self._req_to_hashes.get(request_id, [])[:num_full])
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block id holding `block_hash` in the device pool, or None."""
+        return self.block_pool.get_cached_block(block_hash)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks: (block ids, number of tokens they hold).
+
+        NOTE: hits stop at num_tokens - 1: the last known token is always computed, because its
+        logits are needed to sample the next one.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.store is not None:
+            # NOTE: blocks are loaded now, at admission, so their K/V is in place before the next
+            # forward; they are released as ordinary cached blocks that `allocate_slots` revives.
+            block_ids = self.acquire_blocks(self._hashes(request)[:max_blocks], self.store)
+            self.block_pool.free(block_ids)
+            return block_ids, len(block_ids) * self.block_size
+        block_ids = []
+        for block_hash in self._hashes(request)[:max_blocks]:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def acquire_blocks(self, block_hashes: Sequence[BlockHash], source: BlockSource) -> list[int]:
+        """Take one reference on the block of each hash of a chain, in order; returns their ids.
+
+        A hash missing from the device pool is loaded from `source` into a fresh block, which is then
+        registered under it. Stops at the first hash found nowhere, a failed load, or an empty free
+        queue. NOTE: references are held while the chain is built, so loading a later block can
+        never evict an earlier one. Release them with `block_pool.free` (or keep them as pins).
+        """
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is not None:
+                self.block_pool.touch([block_id])
+            elif not self.block_pool.num_free_blocks or not source.contains(block_hash):
+                break
+            else:
+                block_id = self.block_pool.allocate(1)[0]
+                if not source.load_into(block_hash, block_id):
+                    self.block_pool.free([block_id])
+                    break
+                self.block_pool.cache_block(block_id, block_hash)
+            block_ids.append(block_id)
+        return block_ids
+
+    def insert_blocks(self, block_hashes: Sequence[BlockHash], source: BlockSource, *, pin: bool = False) -> list[int]:
+        """Put a chain of blocks (an imported payload, a KV pack) into the prefix cache.
+
+        Returns the device block ids of the leading hashes that fit. With `pin`, they stay owned by the
+        pool (never evicted) until `block_pool.unpin`; otherwise they are free cached blocks, most
+        recently used.
+        """
+        if not self.enable_caching:
+            raise ValueError("KV blocks can only be imported with prefix caching enabled")
+        block_ids = self.acquire_blocks(block_hashes, source)
+        if pin:
+            self.block_pool.pin(block_ids)
+        self.block_pool.free(block_ids)
+        return block_ids
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> int:
+        """Free blocks that `allocate_slots` would consume (including reviving cached free blocks)."""
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_held = len(self._req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        num_new = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
+        num_revived = sum(1 for block_id in new_computed_blocks if self.block_pool.ref_cnt(block_id) == 0)
+        return num_new + num_revived
+
+    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> bool:
+        return self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= self.block_pool.num_free_blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Grow the block table to hold `num_new_tokens` more positions; None if blocks are short.
+
+        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` (first allocation
+        only); the caller then sets `request.num_computed_tokens` to include them. Returns the newly
+        allocated block ids. NOTE: when it returns None nothing has changed.
+        """
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+            return None
+        request_id = request.request_id
+        is_new = request_id not in self._req_to_blocks
+        blocks = self._req_to_blocks.setdefault(request_id, [])
+        if is_new and self.enable_caching:
+            self.block_pool.record_prefix_query(request.num_tokens, len(new_computed_blocks) * self.block_size)
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        new_block_ids = self.block_pool.allocate(
+            max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks))
+        )
+        blocks.extend(new_block_ids)
+        self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_block_ids
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks tail-first (chain ends are evicted first) and forget it."""
+        request_id = request.request_id
+        self.block_pool.free(self._req_to_blocks.pop(request_id, []))
+        self._req_to_hashes.pop(request_id, None)
+        self._req_to_num_cached_blocks.pop(request_id, None)
+
+    def _hashes(self, request: Request) -> list[BlockHash]:
+        if not self.enable_caching:
+            return []
+        hashes = self._req_to_hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(self.hash_seed, hashes, request.all_token_ids, self.block_size)
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, num_filled_tokens: int) -> None:
+        """Register the blocks that are full once `num_filled_tokens` positions are computed."""
+        if not self.enable_caching:
+            return
+        num_full = num_filled_tokens // self.block_size
+        start = self._req_to_num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(request)
+        blocks = self._req_to_blocks[request.request_id]
+        for index in range(start, num_full):
+            self.block_pool.cache_block(blocks[index], hashes[index])
+        self._req_to_num_cached_blocks[request.request_id] = num_full

@@ -1,0 +1,279 @@
+"""Engine: the synchronous step loop that ties scheduler, runner and output processing together.
+
+`add_request` validates and queues; each `step()` schedules one batch, runs it, samples, and returns
+incremental outputs for the requests that moved. Not thread-safe: `AsyncEngine` drives it from one
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from kvpager.core.config import EngineConfig
+from kvpager.core.hashing import RequestId
+from kvpager.core.kv_cache_manager import KVCacheManager
+from kvpager.core.outputs import RequestOutput
+from kvpager.core.request import Request, RequestStatus
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.core.scheduler import Scheduler, SchedulerConfig
+from kvpager.engine.kv_transfer import KVTransfer
+from kvpager.engine.loading import LoadedModel, load, log_pool
+from kvpager.engine.output_processor import OutputProcessor
+from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
+from kvpager.kvstore.pack import ModelFacts, PackExpectation
+from kvpager.worker.runner import ModelRunner
+
+logger = logging.getLogger("kvpager")
+
+FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # owned blocks / all blocks
+    num_owned_blocks: int
+    num_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class Engine:
+    """Paged-KV continuous-batching engine. See docs/internals.md for the contract."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load(config)
+        lm = self.loaded
+        self.tokenizer = lm.tokenizer
+        self.model_spec = lm.spec
+        self.pool = lm.pool
+        self.max_model_len = lm.max_model_len
+        self.model_name = str(config.model) if config.model is not None else "kvpager-demo"
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(
+            lm.model,
+            lm.spec,
+            num_blocks=lm.pool.num_blocks,
+            block_size=config.block_size,
+            kv_dtype=lm.kv_dtype,
+            device=lm.device,
+            eos_token_ids=self.eos_token_ids,
+            fp32_matmul_precision=config.fp32_matmul_precision,
+        )
+        tiers = build_tiers(config, lm.fingerprint)
+        self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None
+        self.kv_manager = KVCacheManager(
+            block_size=config.block_size,
+            num_blocks=lm.pool.num_blocks,
+            enable_caching=config.enable_prefix_caching,
+            hash_seed=lm.fingerprint,
+            store=self.kv_store,
+        )
+        sched_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=lm.max_model_len,
+            block_size=config.block_size,
+        )
+        self.scheduler = Scheduler(sched_config, self.kv_manager)
+        self.kv_transfer = KVTransfer(
+            self.kv_manager, self.runner, self.kv_expectation(), config.max_num_batched_tokens, self.kv_store
+        )
+        for path in config.kv_packs:
+            num_blocks = self.kv_transfer.load_pack(path)
+            logger.info("KV pack %s: %d blocks pinned in the prefix cache", path, num_blocks)
+        self._is_shut_down = False
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, lm.max_model_len)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        log_pool(lm.pool, lm.max_model_len)
+        ops = lm.model.ops
+        kernels = getattr(ops, "kernels", None)
+        logger.info("model math: %s ops%s", ops.name, f" (C++ kernels {kernels.path})" if kernels is not None else "")
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the problem; nothing is queued then."""
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens and the prompt has "
+                f"{len(prompt_ids)} tokens, which leaves no room for output"
+            )
+        child_params = replace(params, max_tokens=max_tokens)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = [
+            Request(RequestId(seq_id), list(prompt_ids), _child_params(child_params, i), arrival_time=arrival)
+            for i, seq_id in enumerate(seq_ids)
+        ]
+        added: list[str] = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except ValueError:
+            for seq_id in added:
+                self.scheduler.abort_request(RequestId(seq_id))
+            raise
+        for req in requests:
+            self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+        self.outputs.add_request(request_id, prompt_text, prompt_ids, child_params, max_tokens, seq_ids, arrival)
+        self._prompt_tokens_total += len(prompt_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output, or None if unknown."""
+        for seq_id in self.outputs.seq_ids_of(request_id):
+            self.scheduler.abort_request(RequestId(seq_id))
+            self.runner.remove_request(seq_id)
+        return self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.parents)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of requests that produced tokens."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        sampled = self.runner.execute(sched_out)
+        now = time.monotonic()
+        self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
+        changed: dict[str, None] = {}
+        for seq_id, s in sampled.items():
+            request = self.scheduler.requests[seq_id]
+            reason = self.outputs.process_token(seq_id, s.token_id, s.logprobs, request.num_cached_tokens, now)
+            self._generation_tokens_total += 1
+            if reason is not None:
+                self.scheduler.finish_request(seq_id, FINISH_STATUS[reason])
+                self.runner.remove_request(seq_id)
+            changed[self.outputs.parent_of(seq_id)] = None
+        return [self.outputs.collect(parent_id, now) for parent_id in changed]
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_manager.block_pool
+        num_blocks = self.pool.num_blocks
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=pool.num_owned_blocks / num_blocks,
+            num_owned_blocks=pool.num_owned_blocks,
+            num_blocks=num_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            prefix_cache_queries=pool.queries,
+            prefix_cache_hits=pool.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # ---- KV tiers, packs and transfer --------------------------------------------------------
+    def kv_expectation(self) -> PackExpectation:
+        """What a KV pack or payload must match to be loaded here (model facts + fingerprint)."""
+        lm, spec = self.loaded, self.model_spec
+        facts = ModelFacts(
+            architecture=spec.architecture,
+            dtype=self.config.resolved_kv_cache_dtype,
+            block_size=self.config.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            tokenizer_digest=self.tokenizer.tokenizer_digest(),
+            weights_digest=lm.weights_digest,
+        )
+        return PackExpectation(model_fingerprint=lm.fingerprint.hex(), model=facts)
+
+    def export_kv(self, prompt: str | list[int], codec: str = "lossless") -> bytes:
+        """KV pack bytes of the prompt's full blocks, prefilling those not cached (ValueError on bad input).
+
+        Call between steps (on the engine thread); running requests are not disturbed.
+        """
+        _, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        return self.kv_transfer.export(prompt_ids, codec)
+
+    def import_kv(self, payload: bytes, max_bytes: int | None = None) -> int:
+        """Load a KV payload (from `export_kv` or a pack file) into the prefix cache; returns blocks imported.
+
+        ValueError naming the problem on a payload over `max_bytes`, a corrupted one, or one made for
+        another model (fingerprint, dtype, block size, tokenizer, ...). Call between steps.
+        """
+        return self.kv_transfer.import_payload(payload, max_bytes)
+
+    def kv_tier_stats(self) -> KVTierStats:
+        """Per-tier hits, misses, bytes held, evictions, load/save times and bytes moved."""
+        evictions = self.kv_manager.block_pool.evictions
+        base = self.kv_store.stats(evictions) if self.kv_store is not None else KVTierStats(None, None, evictions)
+        transfer = self.kv_transfer
+        return replace(
+            base,
+            exported=replace(transfer.exported),
+            imported=replace(transfer.imported),
+            pinned_blocks=len(transfer.pinned_block_ids),
+        )
+
+    def shutdown(self) -> None:
+        """Persist the prefix cache: device-cached blocks go to the tiers, the host tier is flushed to disk.
+
+        Idempotent. Requests still running are left as they are (abort them first to free blocks).
+        """
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        if self.kv_store is None:
+            return
+        written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
+        logger.info("KV tiers: %d blocks flushed to disk at shutdown", written)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        vocab = self.model_spec.vocab_size
+        bad = [t for t in prompt_ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{vocab - 1})")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt."
+            )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)

@@ -1,0 +1,180 @@
+"""Engine-side KV packs and transfer: export a prompt's full blocks, import a payload, pin packs.
+
+The bytes are the KV pack format (`kvpager.kvstore.pack`, docs/kv-pack-format.md) whether they go to a
+file (`kvpager kv save`), over HTTP (`/v1/kv/export`, `/v1/kv/import`) or are pinned at start
+(`--kv-pack`). Every import checks the model facts and fingerprint (a mismatch names the field),
+and that each block hash equals the hash recomputed from the pack's token ids with this engine's
+fingerprint, so a block can only ever land under the key of the tokens it was computed for.
+NOTE: not thread-safe; call between engine steps, on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpager.core.hashing import BlockHash, RequestId, hash_prompt_blocks
+from kvpager.core.kv_cache_manager import KVCacheManager
+from kvpager.core.request import Request
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvpager.kvstore.offload import BlockIO, MoveCounters, TieredBlockStore
+from kvpager.kvstore.pack import (
+    Pack,
+    PackExpectation,
+    PackHeader,
+    decode_payload,
+    encode_payload,
+    read_pack,
+)
+from kvpager.worker.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class PackSource:
+    """`BlockSource` over the decoded blocks of a pack (loads always succeed)."""
+
+    blocks: dict[BlockHash, torch.Tensor]
+    io: BlockIO
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.blocks
+
+    def load_into(self, block_hash: BlockHash, block_id: int) -> bool:
+        self.io.write_block(block_id, self.blocks[block_hash])
+        return True
+
+
+class KVTransfer:
+    """Moves whole prefixes of KV blocks in and out of one engine's prefix cache."""
+
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        runner: ModelRunner,
+        expectation: PackExpectation,
+        max_num_batched_tokens: int,
+        store: TieredBlockStore | None = None,
+    ) -> None:
+        self.kv_manager = kv_manager
+        self.runner = runner
+        self.expectation = expectation
+        self.seed = bytes.fromhex(expectation.model_fingerprint)
+        self.block_size = expectation.model.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.store = store
+        self.exported = MoveCounters()
+        self.imported = MoveCounters()
+        self.pinned_block_ids: list[int] = []
+
+    def export(self, token_ids: Sequence[int], codec: str = "lossless") -> bytes:
+        """Pack bytes of the full blocks of `token_ids`, prefilling the blocks not cached yet."""
+        start = time.perf_counter()
+        num_full = len(token_ids) // self.block_size
+        if num_full == 0:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, fewer than one KV block of {self.block_size}; "
+                "nothing to export"
+            )
+        header = PackHeader(self.expectation.model_fingerprint, self.expectation.model, tuple(token_ids))
+        hashes = hash_prompt_blocks(self.seed, token_ids, self.block_size)
+        request = self._prefill(list(token_ids[: num_full * self.block_size]))
+        try:
+            block_ids = self.kv_manager.block_ids(request.request_id)[:num_full]
+            blocks = [(h, self.runner.read_block(b)) for h, b in zip(hashes, block_ids, strict=True)]
+            data = encode_payload(header, blocks, codec)
+        finally:
+            self.kv_manager.free(request)
+        self._count(self.exported, num_full, len(data), start)
+        return data
+
+    def import_payload(self, data: bytes, max_bytes: int | None = None) -> int:
+        """Put a pack payload's blocks into the prefix cache; returns how many were imported.
+
+        Blocks that do not fit in the device pool go to the KV tiers when there are tiers.
+        ValueError (nothing imported) on oversize, corruption, another model, or forged hashes.
+        """
+        start = time.perf_counter()
+        pack = decode_payload(data, self.expectation, max_bytes, device="cpu", source="payload")
+        self.check_hashes(pack, "payload")
+        num_imported = len(self._insert(pack, pin=False))
+        if self.store is not None:
+            for block_hash, block in pack.blocks[num_imported:]:
+                self.store.put(block_hash, block)
+            num_imported = len(pack.blocks)
+        self._count(self.imported, num_imported, len(data), start)
+        return num_imported
+
+    def load_pack(self, path: str | os.PathLike[str]) -> int:
+        """Load a pack file and pin its blocks in the prefix cache; returns the number of blocks pinned."""
+        start = time.perf_counter()
+        pack = read_pack(path, self.expectation)
+        self.check_hashes(pack, f"pack {path}")
+        block_ids = self._insert(pack, pin=True)
+        if len(block_ids) < len(pack.blocks):
+            self.kv_manager.block_pool.unpin(block_ids)
+            raise ValueError(
+                f"KV pack {path} has {len(pack.blocks)} blocks but the KV pool had room for {len(block_ids)}; "
+                "give the pool more memory (--kv-cache-memory) or load fewer packs"
+            )
+        self.pinned_block_ids.extend(block_ids)
+        self._count(self.imported, len(block_ids), os.path.getsize(path), start)
+        return len(block_ids)
+
+    def check_hashes(self, pack: Pack, source: str) -> None:
+        """ValueError unless every block hash is the hash of its tokens under this engine's fingerprint."""
+        expected = hash_prompt_blocks(self.seed, pack.header.token_ids, self.block_size)
+        for index, block_hash in enumerate(pack.block_hashes):
+            if index >= len(expected) or block_hash != expected[index]:
+                raise ValueError(
+                    f"KV {source}: block {index}'s hash is not the hash of its token ids under this model's "
+                    "fingerprint; the pack is inconsistent and is refused"
+                )
+
+    def _insert(self, pack: Pack, *, pin: bool) -> list[int]:
+        source = PackSource(dict(pack.blocks), self.runner)
+        return self.kv_manager.insert_blocks(pack.block_hashes, source, pin=pin)
+
+    def _prefill(self, token_ids: list[int]) -> Request:
+        """Compute the K/V of `token_ids` (whole blocks) into the pool, outside the scheduler.
+
+        Returns the internal request that owns the blocks; the caller frees it. NOTE: the request
+        carries one extra, never computed token so that the prefix-cache lookup may return every
+        full block (lookups stop at num_tokens - 1).
+        """
+        request = Request(RequestId(f"kv-export-{uuid.uuid4().hex}"), token_ids + [0], SamplingParams(max_tokens=1))
+        new_blocks, _ = self.kv_manager.get_computed_blocks(request)
+        while True:
+            num_done = request.num_computed_tokens + len(new_blocks) * self.block_size
+            num_new = min(len(token_ids) - num_done, self.max_num_batched_tokens)
+            if self.kv_manager.allocate_slots(request, num_new, new_blocks) is None:
+                self.kv_manager.free(request)
+                raise ValueError(
+                    f"not enough free KV blocks to prefill {len(token_ids)} tokens for export; "
+                    "retry when the engine is less busy or give the KV pool more memory"
+                )
+            request.num_computed_tokens, new_blocks = num_done, []
+            if num_new == 0:
+                return request
+            self._run(request, token_ids[num_done : num_done + num_new], num_done)
+            request.num_computed_tokens += num_new
+
+    def _run(self, request: Request, token_ids: list[int], start: int) -> None:
+        scheduled = ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(token_ids),
+            start_position=start,
+            block_ids=self.kv_manager.block_ids(request.request_id),
+            needs_sample=False,
+        )
+        self.runner.execute(SchedulerOutput((scheduled,)))
+
+    def _count(self, counters: MoveCounters, num_blocks: int, num_bytes: int, start: float) -> None:
+        counters.blocks += num_blocks
+        counters.bytes += num_bytes
+        counters.seconds += time.perf_counter() - start

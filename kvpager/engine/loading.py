@@ -1,0 +1,159 @@
+"""Engine start-up: device, weights, tokenizer, KV budget and pool size, model fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.hashing import model_fingerprint
+from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
+from kvpager.engine.paths import resolve_model_dir
+from kvpager.model.llama import CausalLM
+from kvpager.model.loader import load_model
+from kvpager.model.spec import ModelSpec, load_model_spec
+from kvpager.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvpager")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Activations and allocator slack kept free on CUDA when the budget is derived from free memory.
+CUDA_ACTIVATION_RESERVE = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model_dir: Path
+    spec: ModelSpec
+    model: CausalLM
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    weight_bytes: int
+    fingerprint: bytes
+    max_model_len: int
+    pool: PoolSize
+    weights_digest: str = ""  # what the fingerprint names the weights by ("dummy" for dummy weights)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Load everything the engine needs, in the order that fails fastest on bad input."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config.model)
+    spec = load_model_spec(str(model_dir))
+    tokenizer = Tokenizer.from_dir(str(Path(config.tokenizer) if config.tokenizer else model_dir))
+    max_model_len = resolve_max_model_len(config, spec)
+    device = resolve_device(config.device)
+    dtype = TORCH_DTYPES[config.dtype]
+    kv_dtype = TORCH_DTYPES[config.resolved_kv_cache_dtype]
+    model = load_model(
+        str(model_dir),
+        dtype=dtype,
+        device=device,
+        load_format=config.load_format,
+        kernel_backend=config.kernel_backend,
+        kv_dtype=kv_dtype,
+    )
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = kv_budget(config, device, weight_bytes)
+    pool = pool_size(spec.kv_shape(DTYPE_BYTES[config.resolved_kv_cache_dtype]), config.block_size, budget)
+    if pool.num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {pool.bytes_per_block} bytes; "
+            "raise --kv-cache-memory or lower --block-size"
+        )
+    weights_digest = "dummy" if config.load_format == "dummy" else weights_file_digest(model_dir)
+    fingerprint = model_fingerprint(
+        spec.architecture,
+        weights_digest,
+        config.resolved_kv_cache_dtype,
+        config.block_size,
+        tokenizer.tokenizer_digest(),
+    )
+    return LoadedModel(
+        model_dir,
+        spec,
+        model,
+        tokenizer,
+        device,
+        dtype,
+        kv_dtype,
+        weight_bytes,
+        fingerprint,
+        max_model_len,
+        pool,
+        weights_digest,
+    )
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    if config.max_model_len is None:
+        return spec.max_position_embeddings
+    if config.max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is larger than the model's "
+            f"max_position_embeddings {spec.max_position_embeddings}; lower --max-model-len"
+        )
+    return config.max_model_len
+
+
+def kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) -> int:
+    """The KV pool budget in bytes: the configured one, or a default share of free memory."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return default_cuda_kv_budget(free, total, config.gpu_memory_utilization, CUDA_ACTIVATION_RESERVE)
+    # Weights are already resident, so MemAvailable no longer counts them.
+    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction)
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weights_file_digest(model_dir: Path) -> str:
+    """sha256 over every safetensors file's bytes (names sorted), so a cache key names exact weights."""
+    h = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def log_pool(pool: PoolSize, max_model_len: int) -> None:
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at max_model_len %d: %d",
+        pool.num_blocks,
+        pool.block_size,
+        pool.num_tokens,
+        pool.num_bytes / (1 << 20),
+        max_model_len,
+        pool.max_concurrency(max_model_len),
+    )

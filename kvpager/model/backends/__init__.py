@@ -1,0 +1,1 @@
+"""Execution backends for the model's ops: torch reference ops and the CPU C++ kernels."""

@@ -1,0 +1,1 @@
+"""Text: tokenizers, chat templates and the incremental detokenizer."""

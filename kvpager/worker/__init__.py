@@ -1,0 +1,1 @@
+"""The worker: turns a SchedulerOutput into tensors, runs the model, samples."""

@@ -1,0 +1,153 @@
+"""ModelRunner: a scheduled batch becomes tensors, the model runs, the sampler picks tokens.
+
+The runner owns the model, the KV cache tensor and the per-request sampling state (seeded
+generators, token history for penalties). It reads the scheduler's frozen output and returns
+sampled token ids; it never touches scheduler or request objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpager.core.hashing import RequestId
+from kvpager.core.outputs import PositionLogprobs
+from kvpager.core.sampling_params import SamplingParams
+from kvpager.core.scheduler import SchedulerOutput
+from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_attention_metadata
+from kvpager.model.llama import CausalLM
+from kvpager.model.precision import fp32_matmul_precision
+from kvpager.model.spec import ModelSpec
+from kvpager.worker.sampler import Sampler, SamplingRow
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: PositionLogprobs | None
+
+
+@dataclass(slots=True)
+class _RowState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    stop_token_ids: tuple[int, ...]
+
+
+class ModelRunner:
+    """Runs one scheduled step: `execute(scheduler_output) -> {request_id: SampledToken}`."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        spec: ModelSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...],
+        fp32_matmul_precision: str = "highest",
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.fp32_matmul_precision = fp32_matmul_precision
+        # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, device)
+        self.sampler = Sampler()
+        self._rows: dict[str, _RowState] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        stop_ids = tuple(params.stop_token_ids or ())
+        self._rows[request_id] = _RowState(params, list(prompt_token_ids), [], generator, stop_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """Block `block_id`'s K/V: a view [num_layers, 2, block_size, num_kv_heads, head_dim].
+
+        NOTE: a view of the pool: encode or copy it before the block is reused.
+        """
+        return self.kv_cache[:, :, block_id]
+
+    def write_block(self, block_id: int, block: torch.Tensor) -> None:
+        """Copy `block` ([num_layers, 2, block_size, num_kv_heads, head_dim], any device) into the pool."""
+        self.kv_cache[:, :, block_id].copy_(block)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
+        if not out.scheduled:
+            return {}
+        with fp32_matmul_precision(self.fp32_matmul_precision):
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
+        scheduled = out.scheduled
+        input_ids, positions, md = self._prepare_inputs(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, md)
+        # NOTE: logits only for sequences whose step reaches their last known token.
+        ends: list[int] = []
+        sample_ids: list[RequestId] = []
+        offset = 0
+        for s in scheduled:
+            offset += len(s.token_ids)
+            if s.needs_sample:
+                ends.append(offset - 1)
+                sample_ids.append(s.request_id)
+        if not sample_ids:
+            return {}
+        index = torch.tensor(ends, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [S, vocab] fp32
+        return self._sample(sample_ids, logits)
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        for s in out.scheduled:
+            n = len(s.token_ids)
+            token_ids.extend(s.token_ids)
+            positions.extend(range(s.start_position, s.start_position + n))
+            query_lens.append(n)
+            seq_lens.append(s.start_position + n)
+            block_tables.append(list(s.block_ids))
+        md = build_attention_metadata(
+            query_lens, seq_lens, block_tables, self.block_size, self.device, sliding_window=self.spec.sliding_window
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos, md
+
+    def _sample(self, request_ids: list[RequestId], logits: torch.Tensor) -> dict[RequestId, SampledToken]:
+        rows = [self._sampling_row(rid) for rid in request_ids]
+        result = self.sampler.sample(logits, rows)
+        token_ids = result.token_ids.tolist()
+        sampled: dict[RequestId, SampledToken] = {}
+        for i, rid in enumerate(request_ids):
+            lp = result.logprobs[i] if result.logprobs is not None else None
+            self._rows[rid].output_token_ids.append(token_ids[i])
+            sampled[rid] = SampledToken(token_ids[i], lp)
+        return sampled
+
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        row = self._rows[request_id]
+        return SamplingRow(
+            params=row.params,
+            prompt_token_ids=row.prompt_token_ids,
+            output_token_ids=row.output_token_ids,
+            generator=row.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
