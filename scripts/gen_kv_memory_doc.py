@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvpager.cli.plan import main as plan_main  # noqa: E402
-from kvpager.planner.units import format_bytes  # noqa: E402
+from kvpager.core.units import format_bytes  # noqa: E402
 
 Lang = str  # "en" | "zh"
 

@@ -3,37 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import re
 
+from kvpager.core import units
 from kvpager.core.config import FP32_MATMUL_PRECISIONS, KERNEL_BACKENDS, KV_CODECS, EngineConfig
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
 
 
 def parse_bytes(text: str) -> int:
-    """'4GiB', '512MiB', '2GB', '1e9', '1073741824' → bytes. Raises ValueError on anything else."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 4GiB, 512MiB, 2GB, 1073741824)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    """A positive size in bytes by the one rule of `kvpager.core.units` ('4GiB' = '4G', '2GB' = 2e9)."""
+    value = units.parse_bytes(text)
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
-    return int(value)
+    return value
 
 
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")

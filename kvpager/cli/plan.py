@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kvpager.core.units import format_bytes, parse_bytes, parse_reserve
 from kvpager.planner.devices import Device, custom_device, custom_reserve, find_device, measure_cpu
 from kvpager.planner.kvmath import parse_kv_dtype
 from kvpager.planner.models import ModelFacts, load_model_facts, shipped_model_names
@@ -25,7 +26,6 @@ from kvpager.planner.tables import (
     save_plot,
     table_rows,
 )
-from kvpager.planner.units import format_bytes, parse_bytes, parse_reserve
 from kvpager.planner.weights import WEIGHT_FORMATS, parse_weight_format
 
 EXIT_DOES_NOT_FIT = 1

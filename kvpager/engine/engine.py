@@ -71,6 +71,7 @@ class Engine:
             device=lm.device,
             eos_token_ids=self.eos_token_ids,
             fp32_matmul_precision=config.fp32_matmul_precision,
+            seed=config.seed,
         )
         tiers = build_tiers(config, lm.fingerprint)
         self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None

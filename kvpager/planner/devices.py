@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvpager.planner.units import GIB, parse_bandwidth, parse_bytes
+from kvpager.core.units import GIB, parse_bandwidth, parse_bytes
 
 
 @dataclass(frozen=True)

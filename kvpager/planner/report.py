@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvpager.core.units import format_bandwidth, format_bytes, format_count
 from kvpager.planner.plan import Plan
-from kvpager.planner.units import format_bandwidth, format_bytes, format_count
 
 
 def render_text(plan: Plan) -> str:

@@ -6,11 +6,11 @@ import csv
 import io
 from dataclasses import dataclass, replace
 
+from kvpager.core.units import format_bytes
 from kvpager.planner import kvmath
 from kvpager.planner.devices import Device
 from kvpager.planner.models import ModelFacts
 from kvpager.planner.plan import Plan, PlanOptions, make_plan
-from kvpager.planner.units import format_bytes
 from kvpager.planner.weights import parse_weight_format
 
 DEFAULT_TABLE_FORMATS = ("bf16", "fp8", "q8_0", "q4_k_m")

@@ -51,6 +51,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...],
         fp32_matmul_precision: str = "highest",
+        seed: int | None = 0,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -60,7 +61,8 @@ class ModelRunner:
         self.fp32_matmul_precision = fp32_matmul_precision
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, device)
-        self.sampler = Sampler()
+        # unseeded requests draw from one generator seeded by the engine's --seed (vLLM's meaning)
+        self.sampler = Sampler(seed)
         self._rows: dict[str, _RowState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

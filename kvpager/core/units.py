@@ -1,7 +1,9 @@
 """Byte and bandwidth quantities: parsing what users type, formatting what the planner prints.
 
-Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (kB, MB, GB, TB) powers of 1000,
-as vendors quote bandwidth. A bare number is bytes.
+The one rule for every size flag (`kvpager serve`, `plan`, `bench`, `kv`): binary units (KiB, MiB,
+GiB, TiB) and the single letters k/m/g/t (`4G`, as llama.cpp and `free -g` read it) are powers of
+1024; decimal units (kB, MB, GB, TB) are powers of 1000, as vendors quote capacity and bandwidth.
+A bare number is bytes. So `--kv-cache-memory 4G` = 4 GiB = 4,294,967,296 bytes and `4GB` = 4 x 10^9.
 """
 
 from __future__ import annotations
