@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpager.core.config import FP32_MATMUL_PRECISIONS
+from kvpager.core.config import FP32_MATMUL_PRECISIONS, LOAD_FORMATS
 
 DEFAULT_NUM_THREADS = 2
 
@@ -64,7 +64,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, with_model: bool = True)
         parser.add_argument(
             "--load-format",
             default=None,
-            choices=("auto", "safetensors", "dummy"),
+            choices=LOAD_FORMATS,
             help="default: dummy for the built-in shape, auto for --model",
         )
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 
 from kvpager.core import units
-from kvpager.core.config import FP32_MATMUL_PRECISIONS, KERNEL_BACKENDS, KV_CODECS, EngineConfig
+from kvpager.core.config import (
+    DTYPES,
+    FP32_MATMUL_PRECISIONS,
+    KERNEL_BACKENDS,
+    KV_CACHE_DTYPES,
+    KV_CODECS,
+    LOAD_FORMATS,
+    EngineConfig,
+)
 
 
 def parse_bytes(text: str) -> int:
@@ -16,7 +24,7 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPE_CHOICES = KV_CACHE_DTYPES
 
 
 def bytes_arg(text: str) -> int:
@@ -32,8 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
     g = parser.add_argument_group("engine")
     g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory (default: bundled demo)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    g.add_argument("--dtype", default="float32", choices=DTYPES)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)

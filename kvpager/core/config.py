@@ -15,7 +15,10 @@ DTYPE_BYTES: dict[str, int] = {
     "int8": 1,
 }
 
+# NOTE: the one list of each: the CLI's choices, the loader and the benchmarks all read these.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 KERNEL_BACKENDS = ("auto", "torch", "cpu")
 FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 # NOTE: must equal kvpager.kvstore.codec.available_codecs() (kept here so config stays torch-free; a test pins it).
@@ -68,12 +71,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _check(
-            self.dtype in ("float32", "float16", "bfloat16"),
-            f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}",
+            self.dtype in DTYPES,
+            f"dtype must be one of {DTYPES}, got {self.dtype!r}",
         )
         _check(
-            self.kv_cache_dtype == "auto" or self.kv_cache_dtype in ("float32", "float16", "bfloat16"),
-            f"kv_cache_dtype must be 'auto', float32, float16 or bfloat16, got {self.kv_cache_dtype!r}",
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         _check(
             self.kernel_backend in KERNEL_BACKENDS,

@@ -14,6 +14,7 @@ from kvpager.core.config import DTYPE_BYTES, EngineConfig
 from kvpager.core.hashing import model_fingerprint
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
+from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
 from kvpager.model.loader import load_model
 from kvpager.model.spec import ModelSpec, load_model_spec
@@ -21,7 +22,6 @@ from kvpager.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvpager")
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Activations and allocator slack kept free on CUDA when the budget is derived from free memory.
 CUDA_ACTIVATION_RESERVE = 1 << 30
 

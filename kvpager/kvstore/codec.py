@@ -22,26 +22,9 @@ import torch.nn.functional as F
 BASE_CODECS = ("lossless", "fp16", "bf16", "int8", "int4")
 ZSTD_SUFFIX = "+zstd"
 INT4_GROUP_SIZE = 32
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Shape = Sequence[int]
 Device = str | torch.device
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' / 'float16' / 'bfloat16': the dtype spelling stored in records and packs."""
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"KV dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of `dtype_name`; also accepts the 'torch.' prefix."""
-    dtype = _DTYPES.get(name.removeprefix("torch."))
-    if dtype is None:
-        raise ValueError(f"KV dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
-    return dtype
 
 
 def _to_bytes(tensor: torch.Tensor) -> bytes:

@@ -30,7 +30,8 @@ import torch
 
 from kvpager import __version__
 from kvpager.core.hashing import BlockHash
-from kvpager.kvstore.codec import Codec, Device, available_codecs, dtype_from_name, dtype_name, get_codec
+from kvpager.kvstore.codec import Codec, Device, available_codecs, get_codec
+from kvpager.model.dtypes import dtype_from_name, dtype_name
 
 PACK_MAGIC = b"KVPACK\x00\x01"
 PACK_FORMAT = "kvpager-kv-pack"

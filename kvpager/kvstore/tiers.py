@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from kvpager.core.hashing import BlockHash
-from kvpager.kvstore.codec import Codec, Device, dtype_from_name, dtype_name, get_codec
+from kvpager.kvstore.codec import Codec, Device, get_codec
 from kvpager.kvstore.records import EncodedBlock, RecordError, decode_record, encode_record
+from kvpager.model.dtypes import dtype_from_name, dtype_name
 
 logger = logging.getLogger("kvpager.kvstore.tiers")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvpager.core.config import LOAD_FORMATS
 from kvpager.model.backends.ops import select_ops
 from kvpager.model.llama import CausalLM
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_STD = 0.02
 # NOTE: tensors older checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
