@@ -7,12 +7,12 @@ model from it. Both the legacy config keys (`rope_theta` + `rope_scaling`) and t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvpager.core.sizing import KVShape
+from kvpager.planner.models import facts_from_config, read_config_json
 
 
 @dataclass(frozen=True)
@@ -120,34 +120,39 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelSpec:
-        """Parse a Hugging Face config.json dict (and optionally generation_config.json for EOS ids)."""
+        """Parse a Hugging Face config.json dict (and optionally generation_config.json for EOS ids).
+
+        NOTE: narrowed from the planner's parse (`facts_from_config`), so the planner and the engine
+        read the same shapes from the same file; this adds what only the engine needs (biases,
+        RoPE, EOS) and refuses what it cannot run.
+        """
         arch = _architecture(config)
         rules = SUPPORTED_ARCHITECTURES[arch]
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+            _required(config, key)
+        facts = facts_from_config(config, name=arch, source="config.json")
         config_bias = bool(config.get("attention_bias", False))
         act = config.get("hidden_act", "silu")
         _check(act in ("silu", "swish"), f"{arch}: hidden_act {act!r} is not supported (only silu)")
-        hidden = _required(config, "hidden_size")
-        num_heads = _required(config, "num_attention_heads")
-        head_dim = config.get("head_dim") or hidden // num_heads
         rope_theta, rope_scaling = _rope(config)
         eos = _ids(config.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
         return cls(
             architecture=arch,
-            hidden_size=hidden,
-            num_layers=_required(config, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=_required(config, "intermediate_size"),
-            vocab_size=_required(config, "vocab_size"),
+            hidden_size=facts.hidden_size,
+            num_layers=facts.num_layers,
+            num_heads=facts.num_heads,
+            num_kv_heads=facts.num_kv_heads,
+            head_dim=facts.head_dim,
+            intermediate_size=facts.intermediate_size,
+            vocab_size=facts.vocab_size,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(facts.max_position_embeddings or 2048),
+            tie_word_embeddings=facts.tie_word_embeddings,
             attention_bias=config_bias if rules.qkv_bias is None else rules.qkv_bias,
             qk_norm=rules.qk_norm,
-            sliding_window=_sliding_window(arch, config),
+            sliding_window=_sliding_window(arch, facts.layer_windows),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
@@ -171,13 +176,7 @@ def read_json(path: Path) -> dict[str, Any]:
     """Load a JSON object from `path`; ValueError naming the file when missing or malformed."""
     if not path.is_file():
         raise ModelFileNotFoundError(f"{str(path)!r} not found: a Hugging Face model directory needs it")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_config_json(path)
 
 
 def _architecture(config: dict[str, Any]) -> str:
@@ -208,27 +207,18 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
-def _sliding_window(arch: str, config: dict[str, Any]) -> int | None:
-    """The window every layer uses, or None. Sliding on only some layers (Qwen) is refused."""
-    window = config.get("sliding_window")
-    if arch.startswith("Qwen") and not config.get("use_sliding_window", False):
-        return None
-    if not window:
-        return None
-    layer_types = config.get("layer_types")
-    if arch.startswith("Qwen") and layer_types is None:
-        first = int(config.get("max_window_layers", 0))
-        layer_types = [
-            "sliding_attention" if i >= first else "full_attention" for i in range(int(config["num_hidden_layers"]))
-        ]
-    kinds = set(layer_types or ["sliding_attention"])
-    if kinds == {"full_attention"}:
+def _sliding_window(arch: str, layer_windows: tuple[int | None, ...]) -> int | None:
+    """The window every layer uses, or None. Sliding on only some layers (Qwen, Gemma) is refused."""
+    windows = set(layer_windows)
+    if windows == {None}:
         return None
     # NOTE: per-layer masks (some layers sliding, some full) are not implemented.
     _check(
-        kinds == {"sliding_attention"},
-        f"{arch}: sliding window on only some layers is not supported (layer_types={sorted(kinds)})",
+        len(windows) == 1,
+        f"{arch}: sliding window on only some layers is not supported (windows per layer: {sorted(windows, key=str)})",
     )
+    window = windows.pop()
+    assert window is not None
     return int(window)
 
 

@@ -16,6 +16,9 @@ from typing import Any
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 _QWEN_FAMILY = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _GEMMA3 = ("gemma3", "gemma3_text")
+# transformers' per-architecture default for a config.json without `tie_word_embeddings`: these
+# families' config classes default to False; PretrainedConfig (and so Gemma, Phi...) to True.
+_UNTIED_BY_DEFAULT = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def facts_from_config(config: dict[str, Any], *, name: str, source: str) -> Mode
         head_dim=head_dim,
         intermediate_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),  # NOTE: transformers' default is True
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type not in _UNTIED_BY_DEFAULT)),
         max_position_embeddings=cfg.get("max_position_embeddings"),
         attention_bias=model_type == "qwen2" or model_type == "qwen2_moe" or bool(cfg.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe") or model_type in _GEMMA3,
@@ -234,13 +237,18 @@ def _facts_from_file(path: Path, *, name: str) -> ModelFacts:
         raise ValueError(
             f"{path.parent} has no config.json: pass a Hugging Face model directory, a config.json or a known model name"
         )
+    return facts_from_config(read_config_json(path), name=name, source=str(path))
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """Load a config.json object; ValueError naming the file when unreadable, malformed or not an object."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); fix the file or pass a known model name") from exc
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from exc
     if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object (a Hugging Face config), got {type(config).__name__}")
-    return facts_from_config(config, name=name, source=str(path))
+        raise ValueError(f"{str(path)!r} must hold a JSON object (a Hugging Face config), got {type(config).__name__}")
+    return config
 
 
 def _unknown_model_message(model: str) -> str:
