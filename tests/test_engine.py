@@ -12,9 +12,9 @@ import torch
 from engine_helpers import run_greedy
 
 from kvpager.api.llm import LLM
-from kvpager.cli.engine_args import add_engine_args, config_from_args
 from kvpager.core.config import EngineConfig
 from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.args import add_engine_args, config_from_args
 from kvpager.engine.engine import Engine
 
 # Tiny llama (tests/checkpoints.py): 2 layers, 2 KV heads, head_dim 16, fp32 → 512 bytes per token.

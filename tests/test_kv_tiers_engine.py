@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
 
-from kvpager.cli.engine_args import add_engine_args, config_from_args
 from kvpager.core.config import KV_CODECS, EngineConfig
 from kvpager.core.hashing import hash_prompt_blocks
+from kvpager.engine.args import add_engine_args, config_from_args
 from kvpager.engine.engine import Engine
 from kvpager.kvstore.codec import available_codecs
 

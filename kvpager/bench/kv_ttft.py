@@ -59,7 +59,7 @@ class Bench:
     """Shared set-up of one run: model, token generator, engine configs."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        from kvpager.cli.engine_args import parse_bytes
+        from kvpager.engine.args import parse_bytes
 
         self.args = args
         self.choice = report.choose_model(args, str(workdir))

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpager.bench import report
-from kvpager.cli.engine_args import KV_CACHE_DTYPE_CHOICES, bytes_arg
 from kvpager.core.config import DTYPE_BYTES, EngineConfig
 from kvpager.core.kv_cache_manager import cdiv
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler
+from kvpager.engine.args import KV_CACHE_DTYPE_CHOICES, bytes_arg
 from kvpager.model.spec import load_model_spec
 
 ISSUE_TARGETS = {"speedup_issue2": 4.0, "speedup_issue6": 8.0, "kv_utilisation": 0.95}

@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from kvpager.cli.engine_args import add_engine_args, config_from_args
+from kvpager.engine.args import add_engine_args, config_from_args
 
 Message = dict[str, str]
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvpager.cli.engine_args import add_engine_args, config_from_args
+from kvpager.engine.args import add_engine_args, config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:

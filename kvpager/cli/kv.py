@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpager.cli.engine_args import add_engine_args, config_from_args
 from kvpager.core.config import KV_CODECS
+from kvpager.engine.args import add_engine_args, config_from_args
 
 MAX_SHOWN_TOKEN_IDS = 16
 

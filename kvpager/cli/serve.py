@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvpager.api.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from kvpager.api.server.disagg import DEFAULT_PREFILL_TIMEOUT_S, ROLES, PrefillSettings
 from kvpager.api.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES
-from kvpager.cli.engine_args import add_engine_args, bytes_arg, config_from_args
+from kvpager.engine.args import add_engine_args, bytes_arg, config_from_args
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -38,7 +38,9 @@ def parse_bytes(text: str, *, what: str = "size") -> int:
     """
     match = _QUANTITY.match(text)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what} {text!r} is not a quantity: write e.g. 6GiB, 16GB, 512MiB or a byte count")
+        raise ValueError(
+            f"{what}: cannot read {text!r} as a size in bytes (examples: 4GiB = 4G, 512MiB, 2GB = 2e9, 1073741824)"
+        )
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if value < 0:
         raise ValueError(f"{what} must not be negative, got {text!r}")

@@ -1,4 +1,4 @@
-"""Engine flags shared by `kvpager serve`, `generate`, `chat`, `bench` and `kv`, spelled like vLLM's."""
+"""Engine flags shared by `kvpager serve`, `generate`, `chat`, `bench` and `kv`, spelled like vLLM's (its engine/arg_utils)."""
 
 from __future__ import annotations
 
