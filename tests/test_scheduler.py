@@ -238,7 +238,7 @@ def test_requests_that_can_never_fit_are_rejected_with_the_lengths() -> None:
 
 
 def check_step(sched: Scheduler, runner: FakeRunner, out: SchedulerOutput, before: list[RequestId]) -> None:
-    """Invariants after one step (see ../shared/DESIGN.md)."""
+    """Invariants after one step (see docs/architecture.md)."""
     assert out.num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.scheduled) <= sched.max_num_seqs and sched.num_running <= sched.max_num_seqs
     assert all(len(s.token_ids) >= 1 for s in out.scheduled)
