@@ -29,6 +29,9 @@ from kvpager.model.backends.ops import (
 )
 from kvpager.model.backends.weight_layout import block_stride, blocked_stride, to_blocked
 
+pytestmark = pytest.mark.slow  # C++ kernel builds
+
+
 REL = 1e-5
 REF = TorchOps()
 KERNELS = (

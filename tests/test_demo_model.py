@@ -15,6 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+pytestmark = pytest.mark.slow  # the demo model against transformers
+
+
 DEMO_DIR = Path(__file__).resolve().parent.parent / "kvpager" / "demo_model"
 MAX_TOTAL_BYTES = 25 * 1024 * 1024
 KJV_WORDS = ("the", "and", "of", "LORD", "God", "unto", "earth", "heaven")

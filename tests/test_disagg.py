@@ -27,6 +27,9 @@ from kvpager.core.sampling_params import SamplingParams
 from kvpager.engine.async_engine import AsyncEngine, EngineDeadError
 from kvpager.engine.engine import Engine
 
+pytestmark = pytest.mark.slow  # a prefill and a decode server
+
+
 BLOCK = 8
 MAX_TOKENS = 8
 KEY = "prefill-secret"

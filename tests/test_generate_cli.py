@@ -12,6 +12,9 @@ from kvpager.api.llm import LLM
 from kvpager.cli.generate import main as generate_main
 from kvpager.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # CLI subprocesses
+
+
 PROMPT = "The quick brown"
 FLAGS = ["--max-tokens", "6", "--ignore-eos", "--kv-cache-memory", "4MiB"]
 

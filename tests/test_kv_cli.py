@@ -13,6 +13,9 @@ from kvpager.core.config import EngineConfig
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.engine.engine import Engine
 
+pytestmark = pytest.mark.slow  # CLI subprocesses
+
+
 TEXT = "Prefill writes the state for the prompt; decode appends one position per step. " * 3
 ENGINE_FLAGS = ["--block-size", "4", "--kv-cache-memory", "1MiB"]
 

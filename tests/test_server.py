@@ -21,6 +21,9 @@ from server_harness import CJK_TEXT, ServerProcess, launch_server, make_cjk_chec
 from kvpager.api.llm import LLM
 from kvpager.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # a real uvicorn server
+
+
 KV_MEMORY = 4 << 20
 BLOCK_SIZE = 16
 

@@ -16,6 +16,9 @@ import pytest
 from checkpoints import make_llama_checkpoint
 from server_harness import ServerProcess, launch_server, metric, wait_for_metric
 
+pytestmark = pytest.mark.slow  # a real uvicorn server
+
+
 API_KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY = 64 << 10

@@ -23,6 +23,9 @@ from kvpager.core.config import EngineConfig
 from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
 
+pytestmark = pytest.mark.slow  # real servers
+
+
 BLOCK = 4
 KEY = "kv-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
