@@ -18,7 +18,8 @@ another. Why one process: the earlier method (a server, then `kvpager bench thro
 ±7 points; here both phases share one engine and its memory, and ABBA order with
 several rounds spreads the machine's drift (offline phases of one run still span ~15 %) over both.
 
-    python scripts/serve_vs_offline.py --rounds 4 -- --model /tmp/smol_dummy --load-format dummy \
+    python scripts/make_dummy_model.py models/smollm2-135m
+    python scripts/serve_vs_offline.py --rounds 4 -- --model models/smollm2-135m --load-format dummy \
         --max-model-len 2048 --kv-cache-memory 2GiB
 
 Everything after `--` is `kvpager serve`'s own flags; `--max-num-seqs` is set to `--concurrency`
