@@ -19,8 +19,6 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
                    int64_t row0, int64_t ntok, int64_t pos0, int64_t group, int64_t kh, const T* __restrict k_cache,
                    const T* __restrict v_cache, const int64_t* __restrict table, int64_t block_size, int64_t kv_stride,
                    int64_t window, float scale, float* __restrict work) {
-#if defined(__AVX512F__)
-  constexpr int NV = HD / 16;
   const int64_t R = ntok * group;  // rows: (token i, head g) -> r = i * group + g
   float* o = work;                 // [R][HD]
   float* m = o + R * HD;           // [R]
@@ -35,7 +33,6 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
   }
   const int64_t last = pos0 + ntok - 1;  // the block's last query position
   const int64_t begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   int64_t kpos = begin;
   while (kpos <= last) {
     const int64_t off = kpos % block_size;
@@ -47,6 +44,9 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
       for (int64_t d = 0; d < HD; ++d) kt[d * 16 + j] = kv_load(kb[j * kv_stride + d]);
     for (int64_t j = n; j < 16; ++j)
       for (int64_t d = 0; d < HD; ++d) kt[d * 16 + j] = 0.f;
+#if defined(__AVX512F__)
+    constexpr int NV = HD / 16;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Scores, 8 rows at a time (8 independent chains of HD multiply-adds).
     for (int64_t r0 = 0; r0 < R; r0 += 8) {
       const int64_t nr = std::min<int64_t>(8, R - r0);
@@ -111,6 +111,80 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
         if (rb != ra) _mm512_storeu_ps(ob + v * 16, a1[v]);
       }
     }
+#else
+    // Any CPU: the same scores, online softmax and row pairs, in 16-lane loops the compiler
+    // vectorises for the target (AVX2: two 8-lane halves).
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+      const int64_t nr = std::min<int64_t>(8, R - r0);
+      if (kpos > pos0 + (r0 + nr - 1) / group) continue;  // the chunk is in all these rows' future
+      alignas(64) float s[8][16] = {};
+      const float* qr[8];
+      for (int64_t a = 0; a < 8; ++a) {
+        const int64_t r = r0 + std::min<int64_t>(a, nr - 1);
+        qr[a] = q + (row0 + r / group) * q_stride + (kh * group + r % group) * HD;
+      }
+      for (int64_t d = 0; d < HD; ++d) {
+        const float* __restrict k = kt + d * 16;
+        for (int a = 0; a < 8; ++a) {
+          const float qa = qr[a][d];
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) s[a][j] += qa * k[j];
+        }
+      }
+      for (int64_t a = 0; a < nr; ++a) {
+        const int64_t r = r0 + a, pos = pos0 + r / group;
+        // keys kpos + j with j < n, kpos + j <= pos and (window) kpos + j > pos - window
+        const int64_t hi = std::min<int64_t>(n, pos - kpos + 1);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kpos) : 0;
+        if (hi <= lo) {
+          alpha[r] = 1.f;
+          std::fill(p + r * 16, p + r * 16 + 16, 0.f);
+          continue;
+        }
+        float mb = m[r];
+        for (int64_t j = lo; j < hi; ++j) mb = std::max(mb, s[a][j] * scale);
+        alpha[r] = fast_exp(m[r] - mb);
+        float* __restrict pr = p + r * 16;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < 16; ++j) {
+          const float e = (j >= lo && j < hi) ? fast_exp(s[a][j] * scale - mb) : 0.f;
+          pr[j] = e;
+          sum += e;
+        }
+        l[r] = l[r] * alpha[r] + sum;
+        m[r] = mb;
+      }
+    }
+    // O = O * alpha + P V, two rows at a time (each V row read once for both).
+    for (int64_t r0 = 0; r0 < R; r0 += 2) {
+      const int64_t ra = r0, rb = std::min<int64_t>(r0 + 1, R - 1);
+      if (kpos > pos0 + rb / group) continue;  // every key of the chunk is in these rows' future
+      float* __restrict oa = o + ra * HD;
+      float* __restrict ob = o + rb * HD;
+      const float* pa = p + ra * 16;
+      const float* pb = p + rb * 16;
+      alignas(64) float a0[HD], a1[HD];
+      const float ala = alpha[ra], alb = alpha[rb];
+#pragma omp simd
+      for (int i = 0; i < HD; ++i) {
+        a0[i] = oa[i] * ala;
+        a1[i] = ob[i] * alb;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const T* __restrict vr = vb + j * kv_stride;
+        const float pja = pa[j], pjb = pb[j];
+#pragma omp simd
+        for (int i = 0; i < HD; ++i) {
+          const float v = kv_load(vr[i]);
+          a0[i] += pja * v;
+          a1[i] += pjb * v;
+        }
+      }
+      std::copy(a0, a0 + HD, oa);
+      if (rb != ra) std::copy(a1, a1 + HD, ob);
+    }
+#endif
     kpos += n;
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -118,7 +192,6 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
     const float inv = 1.f / l[r];
     for (int64_t d = 0; d < HD; ++d) dst[d] = o[r * HD + d] * inv;
   }
-#endif
 }
 
 constexpr int64_t PREFILL_QB = 32;  // query tokens per task
@@ -163,15 +236,12 @@ extern "C" {
 
 // Prefill chunks (query_len tokens ending at position seq_len - 1, context read through the block
 // table row of each chunk): causal (and sliding-window) attention into out. Returns 0 without
-// touching out where it does not apply (head_dim other than 64 or 128, no AVX-512): use torch.
+// touching out where it does not apply (head_dim other than 64 or 128): use torch.
 int64_t kvp_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t num_chunks,
                            const int64_t* token_start, const int64_t* query_len, const int64_t* seq_len,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const void* k_cache,
                            const void* v_cache, int64_t block_size, const int64_t* block_tables, int64_t max_blocks,
                            int64_t window, float scale, int64_t kv_bf16) {
-#if !defined(__AVX512F__)
-  return 0;
-#endif
   if (head_dim != 64 && head_dim != 128) return 0;
   if (kv_bf16 != 0)
     prefill_attention(q, q_stride, out, out_stride, num_chunks, token_start, query_len, seq_len, num_heads,
