@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
-from kvpager.model.backends.kernels.build import KernelLibrary, load_cpu_kernels
+from kvpager.model.backends.kernels.build import KernelLibrary, expected_isa, load_cpu_kernels
 from kvpager.model.backends.ops import (
     BLOCKED_KERNEL_MAX_ROWS,
     DECODE_PARTITION,
@@ -58,9 +58,9 @@ class SpyOps(CpuKernelOps):
             setattr(self, name, self._counted(name, getattr(self, name)))
 
     def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
+        def call(**kwargs: Any) -> Any:
             self.calls[name] += 1
-            result = fn(*args)
+            result = fn(**kwargs)
             if result:
                 self.calls[f"{name} ran"] += 1
             return result
@@ -68,9 +68,17 @@ class SpyOps(CpuKernelOps):
         return call
 
 
-@pytest.fixture
-def kops() -> SpyOps:
-    return SpyOps(load_cpu_kernels())  # NOTE: builds once per machine (cached), then once per process
+# The builds whose code differs on this CPU: "portable" (-mno-avx512f) runs the portable branches,
+# which a "native" build on an AVX-512 CPU never compiles; without AVX-512 the two are the same code.
+ISAS = ["native"] + (["portable"] if expected_isa("native") != expected_isa("portable") else [])
+
+
+@pytest.fixture(params=ISAS)
+def kops(request: pytest.FixtureRequest) -> SpyOps:
+    # NOTE: builds once per machine (cached), then loads once per process
+    kernels = load_cpu_kernels(request.param)
+    assert kernels.isa == expected_isa(request.param)  # the branches this CPU should run
+    return SpyOps(kernels)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -114,6 +122,7 @@ def test_linear_with_a_non_contiguous_weight_or_bias_falls_back_to_torch(kops: S
     x, w, b = _randn(2, 37, seed=1), _randn(37, 130, seed=2).t(), _randn(260, seed=3)[::2]  # w [130, 37] strided
     _assert_close(kops.linear(x, w, b), F.linear(x, w, b))
     assert kops.calls["_linear_small"] == 0
+    assert kops.fallbacks.as_dict() == {"linear": {"weight is not contiguous": 1}}
 
 
 def test_linear_with_a_3d_input_falls_back_to_torch(kops: SpyOps) -> None:

@@ -83,6 +83,23 @@ class _KVCollector(Collector):
             yield family
 
 
+class _KernelCollector(Collector):
+    """`kvpager:kernel_fallbacks{op, reason}`: calls of a CPU kernel op that ran in torch because a
+    precondition failed (`ServerMetrics.kernel_fallbacks`, from the ops' `kernel_stats()`)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
+        self._metrics = metrics
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        help_text = "Calls of a CPU kernel op that ran in torch because a precondition failed."
+        family = CounterMetricFamily("kvpager:kernel_fallbacks", help_text, labels=["model_name", "op", "reason"])
+        for op, reasons in sorted(self._metrics.kernel_fallbacks.items()):
+            for reason, calls in sorted(reasons.items()):
+                family.add_metric([self._model_name, op, reason], float(calls))
+        yield family
+
+
 class ServerMetrics:
     """The metrics of one app: engine gauges/counters, KV tier values, request latency histograms.
 
@@ -98,10 +115,13 @@ class ServerMetrics:
         get_disagg: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.kv_tiers: dict[str, float] = {}
+        # {op: {reason: calls}}: the latest ops.kernel_stats()["fallbacks"], refreshed like kv_tiers
+        self.kernel_fallbacks: dict[str, dict[str, int]] = {}
         self.get_disagg = get_disagg
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
         self.registry.register(_KVCollector(self, model_name))
+        self.registry.register(_KernelCollector(self, model_name))
         labels = ["model_name"]
         self.ttft = Histogram(
             "kvpager:time_to_first_token_seconds",

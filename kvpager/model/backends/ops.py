@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from kvpager.core.config import KERNEL_BACKENDS
 from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_prefills, paged_attention, write_kv
 from kvpager.model.backends.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
+from kvpager.model.backends.fallbacks import FallbackCounter
 from kvpager.model.backends.kernels.build import KernelBuildError, KernelLibrary, load_cpu_kernels
 from kvpager.model.backends.weight_layout import BLOCK, blocked_stride, convert_linear_weights, unblocked
 from kvpager.model.rope import apply_rope
@@ -74,6 +75,10 @@ class TorchOps:
 
     def begin_step(self) -> None:
         """Called once at the start of every forward, on the thread that runs it."""
+
+    def kernel_stats(self) -> dict[str, Any]:
+        """The backend, which path each op takes and the kernels' fallbacks ({op: {reason: calls}})."""
+        return {"backend": self.name, "paths": {}, "fallbacks": {}}
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """Called once after loading: rearrange the model's weights for these ops (values unchanged)."""
@@ -154,12 +159,16 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    """The C++ kernels; float32 CPU tensors only (select_ops guarantees it)."""
+    """The C++ kernels, called through their checked binding (kvpager/model/backends/kernels/abi.py).
+
+    Each method checks its kernel's preconditions first; where one fails, torch computes the same
+    values and `fallbacks` counts the (op, reason), logged once (see fallbacks.py)."""
 
     name = "cpu"
 
     def __init__(self, kernels: KernelLibrary) -> None:
         self.kernels = kernels
+        self.fallbacks = FallbackCounter()
         self._linear_small = kernels.fn("kvp_linear_small")
         self._linear_b = kernels.fn("kvp_linear_b")
         self._unblock = kernels.fn("kvp_unblock")
@@ -182,6 +191,41 @@ class CpuKernelOps(TorchOps):
         # identifies the step; holding it keeps its id from being reused).
         self._prefill_meta: AttentionMetadata | None = None
         self._prefill_arrays: tuple[torch.Tensor, ...] = ()
+        logger.info(
+            "CPU kernels (%s build, %s): %s",
+            kernels.isa,
+            kernels.path,
+            "; ".join(f"{op}: {route}" for op, route in self.paths().items()),
+        )
+
+    def paths(self) -> dict[str, str]:
+        """Which code each op runs (by design; fallbacks aside)."""
+        if self._blocked:
+            linear = f"column-block kernel up to {BLOCKED_KERNEL_MAX_ROWS} rows, torch GEMM beyond"
+        else:
+            linear = f"dot-product kernel up to {SMALL_BATCH_LINEAR} rows, torch GEMM beyond"
+        if self._bf16_linear is not None:
+            linear += f"; packed bfloat16 above {SMALL_BATCH_LINEAR} rows at 'medium' precision"
+        fused = FUSED_MAX_ROWS if self._blocked else SMALL_BATCH_LINEAR
+        return {
+            "linear": linear,
+            "rms_norm": "kernel",
+            "add_rms_norm": "kernel",
+            "silu_mul": "kernel",
+            "rope_and_cache": "kernel (float32 or bfloat16 cache)",
+            "decode_attention": "paged kernel",
+            "prefill_attention": f"kernel for head_dim 64 or 128 up to {PREFILL_KERNEL_MAX_CONTEXT} positions, "
+            "torch SDPA beyond",
+            "decode_layers": f"one kernel call per decode-only step up to {fused} rows",
+        }
+
+    def kernel_stats(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "isa": self.kernels.isa,
+            "paths": self.paths(),
+            "fallbacks": self.fallbacks.as_dict(),
+        }
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         # Linear weights in column blocks for the outer-product kernel (where it has its AVX-512 tiles).
@@ -191,7 +235,7 @@ class CpuKernelOps(TorchOps):
     def begin_step(self) -> None:
         # NOTE: OpenMP's thread count belongs to the calling thread; follow torch's on whichever
         # thread steps the engine (the server steps on its own thread).
-        self._set_num_threads(torch.get_num_threads())
+        self._set_num_threads(n=torch.get_num_threads())
 
     def decode_layers(
         self,
@@ -204,60 +248,53 @@ class CpuKernelOps(TorchOps):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # A decode-only step of at most SMALL_BATCH_LINEAR rows (FUSED_MAX_ROWS when every weight is
-        # in column blocks): one kernel call for all layers instead of ~9 Python/ctypes calls per
-        # layer (measured: the calls cost more than the math at batch 1).
+        # in column blocks): one kernel call for all layers instead of ~9 Python calls per layer
+        # (measured: the calls cost more than the math at batch 1).
         dec, rows = meta.decode, x.shape[0]
-        if (
-            dec is None
-            or meta.prefills
-            or not dec.is_leading
-            or rows > FUSED_MAX_ROWS
-            or not (_f32(x) and _f32(cos) and _f32(sin) and _kv_ok(kv_cache))
-            or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv_cache.is_contiguous())
-            or dec.block_tables.dtype != torch.int64
-            or meta.slot_mapping.dtype != torch.int64
-        ):
+        if dec is None or meta.prefills or not dec.is_leading or rows > FUSED_MAX_ROWS:
             return None
-        table = self._layer_table(layers, spec.rms_norm_eps)
-        num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        # NOTE: the kernel trusts these shapes with raw pointers: refuse anything inconsistent.
-        if (
-            table is None
-            or rows > self._fused_max_rows(layers)
-            or table.shape[0] != num_layers
-            or (num_kv_heads, head_dim, x.shape[1]) != (spec.num_kv_heads, spec.head_dim, spec.hidden_size)
+        reason = _unfit(x=x, cos=cos, sin=sin) or _kv_unfit(kv_cache)
+        if reason is None and not all(
+            t.dtype == torch.int64 for t in (dec.block_tables, dec.seq_lens, meta.slot_mapping)
         ):
+            reason = "block tables, sequence lengths or slot mapping not int64"
+        table = self._layer_table(layers, spec.rms_norm_eps) if reason is None else None
+        if reason is None and table is None:
+            reason = "a layer's tensors are not float32 and contiguous on the CPU, or the norms' eps differ"
+        if reason is not None or table is None:
+            self.fallbacks.record("decode_layers", reason or "")
+            return None
+        if rows > self._fused_max_rows(layers):
+            return None
+        num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        if table.shape[0] != num_layers or (num_kv_heads, head_dim, x.shape[1]) != (
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.hidden_size,
+        ):
+            self.fallbacks.record("decode_layers", "KV cache or hidden size differ from the model's spec")
             return None
         hidden, inter = x.shape[1], spec.intermediate_size
         q_size, kv_size = spec.num_heads * head_dim, num_kv_heads * head_dim
         scratch = torch.empty(rows * (2 * q_size + 2 * kv_size + 3 * inter + hidden), dtype=torch.float32)
         residual = torch.empty_like(x)
         self._decode_layers(
-            x.data_ptr(),
-            residual.data_ptr(),
-            rows,
-            hidden,
-            num_layers,
-            table.data_ptr(),
-            spec.num_heads,
-            num_kv_heads,
-            head_dim,
-            inter,
-            spec.rms_norm_eps,
-            kv_cache.data_ptr(),
-            num_blocks,
-            block_size,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            meta.slot_mapping.data_ptr(),
-            dec.block_tables.data_ptr(),
-            dec.block_tables.shape[1],
-            dec.seq_lens.data_ptr(),
-            meta.sliding_window or 0,
-            head_dim**-0.5,
-            DECODE_PARTITION,
-            scratch.data_ptr(),
-            _bf16(kv_cache),
+            x=x,
+            residual=residual,
+            layers=table,
+            num_heads=spec.num_heads,
+            inter=inter,
+            eps=spec.rms_norm_eps,
+            kv_cache=kv_cache,
+            cos=cos.view(rows, -1),
+            sin=sin.view(rows, -1),
+            slots=meta.slot_mapping,
+            block_tables=dec.block_tables,
+            seq_lens=dec.seq_lens,
+            window=meta.sliding_window or 0,
+            scale=head_dim**-0.5,
+            partition=DECODE_PARTITION,
+            scratch=scratch,
         )
         return x, residual
 
@@ -294,18 +331,14 @@ class CpuKernelOps(TorchOps):
             return self._bf16_linear(x, weight, bias)
         if bs:
             return self._blocked_linear(x, weight, bs, bias)
-        # row-major weights: the dot-product kernel for small batches, else torch
-        if (
-            rows > SMALL_BATCH_LINEAR
-            or x.dim() != 2
-            or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
-            or not (_f32(x) and _f32(weight) and (bias is None or _f32(bias)))
-        ):
+        if rows > SMALL_BATCH_LINEAR:  # row-major weights: the dot-product kernel for small batches only
             return F.linear(x, weight, bias)
-        out_features, in_features = weight.shape
-        out = torch.empty((rows, out_features), dtype=x.dtype)
-        b = bias.data_ptr() if bias is not None else None
-        self._linear_small(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, b, out.data_ptr())
+        reason = "x is not 2-D" if x.dim() != 2 else _unfit(x=x, weight=weight, bias=bias)
+        if reason is not None:
+            self.fallbacks.record("linear", reason)
+            return F.linear(x, weight, bias)
+        out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+        self._linear_small(x=x, w=weight, bias=bias, out=out)
         return out
 
     def _blocked_linear(
@@ -317,6 +350,7 @@ class CpuKernelOps(TorchOps):
         blocks, in_features, _ = weight.shape
         out_features = blocks * BLOCK
         if not (_f32(x) and (bias is None or _f32(bias))):
+            self.fallbacks.record("linear", "x or bias is not float32 on the CPU (the blocked weight is copied back)")
             return F.linear(x, unblocked(weight), bias)
         x2 = x.reshape(-1, in_features).contiguous()
         rows, size = x2.shape[0], in_features * out_features
@@ -324,39 +358,44 @@ class CpuKernelOps(TorchOps):
             if self._unblock_scratch.numel() < size:
                 self._unblock_scratch = torch.empty(size, dtype=torch.float32)
             scratch = self._unblock_scratch[:size]
-            self._unblock(weight.data_ptr(), bs, out_features, in_features, scratch.data_ptr())
+            self._unblock(wb=weight, out=scratch)
             return F.linear(x, scratch.view(in_features, out_features).t(), bias)
         out = torch.empty((rows, out_features), dtype=torch.float32)
-        bias_c = bias.contiguous() if bias is not None else None  # NOTE: held while the kernel reads it
-        b = bias_c.data_ptr() if bias_c is not None else None
-        self._linear_b(x2.data_ptr(), rows, in_features, weight.data_ptr(), bs, out_features, b, out.data_ptr())
+        bias_c = bias.contiguous() if bias is not None else None
+        self._linear_b(x=x2, wb=weight, bias=bias_c, out=out)
         return out.view(*x.shape[:-1], out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() != 2 or x.stride(1) != 1 or not (_f32(x) and _f32(weight)):
+        if x.dim() != 2 or x.stride(1) != 1:
+            reason: str | None = "x is not 2-D with contiguous rows"
+        else:
+            reason = _unfit(weight=weight) or (None if _f32(x) else "x is not float32 on the CPU")
+        if reason is not None:
+            self.fallbacks.record("rms_norm", reason)
             return super().rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._rms_norm(
-            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[1], x.shape[0], x.shape[1], eps
-        )
+        self._rms_norm(x=x, w=weight, out=out, eps=eps)
         return out
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (_f32(x) and _f32(residual) and _f32(weight) and x.is_contiguous() and residual.is_contiguous()):
+        reason = _unfit(x=x, residual=residual, weight=weight)
+        if reason is not None:
+            self.fallbacks.record("add_rms_norm", reason)
             return super().add_rms_norm(x, residual, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
-        rows, dim = residual.shape
-        self._add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        self._add_rms_norm(residual=residual, x=x, w=weight, out=out, eps=eps)
         return out, residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not (_f32(gate_up) and gate_up.is_contiguous()):
+        reason = _unfit(gate_up=gate_up)
+        if reason is not None:
+            self.fallbacks.record("silu_mul", reason)
             return super().silu_mul(gate_up)
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        self._silu_mul(gate_up=gate_up, out=out)
         return out
 
     def rope_and_cache(
@@ -372,76 +411,51 @@ class CpuKernelOps(TorchOps):
         k_norm: torch.Tensor | None,
         eps: float,
     ) -> torch.Tensor:
-        if not (
-            _f32(qkv)
-            and _f32(cos)
-            and _f32(sin)
-            and _kv_ok(kv_layer)
-            and (q_norm is None or _f32(q_norm))
-            and (k_norm is None or _f32(k_norm))
-            and slot_mapping.dtype == torch.int64
-            and qkv.is_contiguous()
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-            and kv_layer.is_contiguous()
-        ):
+        reason = _unfit(qkv=qkv, cos=cos, sin=sin, q_norm=q_norm, k_norm=k_norm) or _kv_unfit(kv_layer)
+        if reason is None and slot_mapping.dtype != torch.int64:
+            reason = "slot mapping not int64"
+        if reason is not None:
+            self.fallbacks.record("rope_and_cache", reason)
             return super().rope_and_cache(
                 qkv, cos, sin, kv_layer, slot_mapping, num_heads, num_kv_heads, q_norm, k_norm, eps
             )
-        num_tokens = qkv.shape[0]
-        head_dim = kv_layer.shape[-1]
         self._rope_and_cache(
-            qkv.data_ptr(),
-            qkv.stride(0),
-            num_tokens,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            q_norm.data_ptr() if q_norm is not None else None,
-            k_norm.data_ptr() if k_norm is not None else None,
-            eps,
-            kv_layer[0].data_ptr(),
-            kv_layer[1].data_ptr(),
-            slot_mapping.data_ptr(),
-            _bf16(kv_layer),
+            qkv=qkv,
+            num_heads=num_heads,
+            cos=cos.view(qkv.shape[0], -1),  # [T, 1, hd / 2] or [T, hd / 2]: the kernel reads T rows
+            sin=sin.view(qkv.shape[0], -1),
+            q_norm=q_norm,
+            k_norm=k_norm,
+            eps=eps,
+            k_cache=kv_layer[0],
+            v_cache=kv_layer[1],
+            slots=slot_mapping,
         )
+        num_tokens, head_dim = qkv.shape[0], kv_layer.shape[-1]
         return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        _, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype)
         dec = meta.decode
         if dec is not None:
-            if (
-                not _kernel_reads(q, kv_layer)
-                or dec.block_tables.dtype != torch.int64
-                or dec.seq_lens.dtype != torch.int64
-            ):
+            reason = _attention_unfit(q, kv_layer)
+            if reason is None and (dec.block_tables.dtype != torch.int64 or dec.seq_lens.dtype != torch.int64):
+                reason = "block tables or sequence lengths not int64"
+            if reason is not None:
+                self.fallbacks.record("decode_attention", reason)
                 attend_decodes(q, kv_layer, meta, scale, out)
             else:
-                _, _, block_size, num_kv_heads, _ = kv_layer.shape
                 self._paged_decode(
-                    q.data_ptr(),
-                    q.stride(0),
-                    out.data_ptr(),
-                    num_heads * head_dim,
-                    None if dec.is_leading else dec.token_indices.data_ptr(),
-                    dec.seq_lens.shape[0],
-                    num_heads,
-                    num_kv_heads,
-                    head_dim,
-                    kv_layer[0].data_ptr(),
-                    kv_layer[1].data_ptr(),
-                    block_size,
-                    dec.block_tables.data_ptr(),
-                    dec.block_tables.shape[1],
-                    dec.seq_lens.data_ptr(),
-                    meta.sliding_window or 0,
-                    scale,
-                    DECODE_PARTITION,
-                    _bf16(kv_layer),
+                    q=q,
+                    out=out,
+                    rows=None if dec.is_leading else dec.token_indices,
+                    k_cache=kv_layer[0],
+                    v_cache=kv_layer[1],
+                    block_tables=dec.block_tables,
+                    seq_lens=dec.seq_lens,
+                    window=meta.sliding_window or 0,
+                    scale=scale,
+                    partition=DECODE_PARTITION,
                 )
         if meta.prefills and not self._kernel_prefills(q, kv_layer, meta, scale, out):
             attend_prefills(q, kv_layer, meta, scale, out)
@@ -452,14 +466,17 @@ class CpuKernelOps(TorchOps):
     ) -> bool:
         """Write the prefill rows of `out` with the prefill kernel; False (nothing written) where it
         does not apply: then torch's SDPA runs."""
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        if not _kernel_reads(q, kv_layer) or meta.block_tables.dtype != torch.int64:
+        reason = _attention_unfit(q, kv_layer)
+        if reason is None and meta.block_tables.dtype != torch.int64:
+            reason = "block tables not int64"
+        if reason is not None:
+            self.fallbacks.record("prefill_attention", reason)
             return False
         if self._prefill_meta is not meta:
             seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
             self._prefill_meta, self._prefill_arrays = meta, ()
             if max(meta.seq_lens_list[i] for i in seqs) > PREFILL_KERNEL_MAX_CONTEXT:
-                return False
+                return False  # by design: torch's SDPA is faster on long contexts
             index = torch.tensor(seqs, dtype=torch.int64)
             self._prefill_arrays = (
                 meta.query_start_loc.index_select(0, index),
@@ -470,28 +487,20 @@ class CpuKernelOps(TorchOps):
         if not self._prefill_arrays:
             return False
         starts, query_lens, seq_lens, tables = self._prefill_arrays
-        _, _, block_size, num_kv_heads, _ = kv_layer.shape
         done = self._prefill_attention(
-            q.data_ptr(),
-            q.stride(0),
-            out.data_ptr(),
-            num_heads * head_dim,
-            starts.shape[0],
-            starts.data_ptr(),
-            query_lens.data_ptr(),
-            seq_lens.data_ptr(),
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            kv_layer[0].data_ptr(),
-            kv_layer[1].data_ptr(),
-            block_size,
-            tables.data_ptr(),
-            tables.shape[1],
-            meta.sliding_window or 0,
-            scale,
-            _bf16(kv_layer),
+            q=q,
+            out=out,
+            token_start=starts,
+            query_len=query_lens,
+            seq_len=seq_lens,
+            k_cache=kv_layer[0],
+            v_cache=kv_layer[1],
+            block_tables=tables,
+            window=meta.sliding_window or 0,
+            scale=scale,
         )
+        if not done:
+            self.fallbacks.record("prefill_attention", "head_dim is not 64 or 128")
         return bool(done)
 
 
@@ -541,14 +550,32 @@ def _kv_ok(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
 
 
-def _kernel_reads(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """q [T, H, hd] and a KV layer the attention kernels read through raw pointers: float32 q with
-    contiguous heads (rows may be strided), a contiguous float32 or bfloat16 cache, on the CPU."""
-    return _f32(q) and _kv_ok(kv_layer) and q.stride(2) == 1 and q.stride(1) == q.shape[2] and kv_layer.is_contiguous()
+def _unfit(**tensors: torch.Tensor | None) -> str | None:
+    """None when every given tensor is float32, on the CPU and contiguous, else the first reason."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not _f32(t):
+            return f"{name} is not float32 on the CPU"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+    return None
 
 
-def _bf16(t: torch.Tensor) -> int:
-    return int(t.dtype == torch.bfloat16)
+def _kv_unfit(kv: torch.Tensor) -> str | None:
+    if not _kv_ok(kv):
+        return "KV cache is not float32 or bfloat16 on the CPU"
+    return None if kv.is_contiguous() else "KV cache is not contiguous"
+
+
+def _attention_unfit(q: torch.Tensor, kv_layer: torch.Tensor) -> str | None:
+    """None for q [T, H, hd] and a KV layer the attention kernels read: float32 q with contiguous
+    heads (rows may be strided), a contiguous float32 or bfloat16 cache, on the CPU."""
+    if not _f32(q):
+        return "q is not float32 on the CPU"
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        return "q heads are not contiguous"
+    return _kv_unfit(kv_layer)
 
 
 def select_ops(backend: str, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> TorchOps:

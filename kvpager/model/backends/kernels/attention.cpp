@@ -33,6 +33,7 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * hd;
         float s = 0.f;
+#pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < hd; ++i) s += qg[i] * kv_load(kr[i]);
         scores[g * block_size + j] = s * scale;
       }

@@ -2,11 +2,13 @@
 // per-layer glue of a decode step (linear, norms, SiLU, RoPE + cache write, the fused layer stack),
 // attention.cpp the paged decode attention that reads K/V blocks in place.
 //
-// Plain C ABI, no torch headers: built once per machine by kvpager/kernels/build.py with the system
-// C++ compiler (-O3 -march=native -fopenmp) and called through ctypes with tensor data pointers.
+// Plain C ABI, no torch headers: built once per machine by kvpager/model/backends/kernels/build.py
+// with the system C++ compiler (-O3 -march=native -fopenmp; KVPAGER_KERNEL_ISA=portable adds
+// -mno-avx512f) and called through the checked binding of binding.py with tensor data pointers.
+// Every AVX-512 branch (#if defined(__AVX512F__)) has a portable branch doing the same work.
 // OpenMP resolves to the libgomp torch already loaded, so torch.set_num_threads governs these loops too.
 //
-// Every function mirrors a torch reference in kvpager/model/ops.py (TorchOps); the tests compare them.
+// Every function mirrors a torch reference in kvpager/model/backends/ops.py (TorchOps); the tests compare them.
 // Layouts (row-major, float32 unless stated):
 //   qkv row:   [num_heads * head_dim | num_kv_heads * head_dim (K) | num_kv_heads * head_dim (V)]
 //   KV cache:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16
@@ -118,36 +120,7 @@ inline __m512 reduce16(const __m512* t) {
 
 }  // namespace kvp
 
-// The C ABI (called through ctypes; also from one kernel file to the other).
-extern "C" {
-void kvp_set_num_threads(int64_t n);
-int64_t kvp_max_threads();
-void kvp_linear_small(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out);
-void kvp_linear_b(const float* x, int64_t M, int64_t K, const float* wb, int64_t bs, int64_t N, const float* bias,
-                  float* out);
-void kvp_rms_norm(const float* x, int64_t x_stride, const float* w, float* out, int64_t out_stride, int64_t rows,
-                  int64_t dim, float eps);
-void kvp_add_rms_norm(float* residual, const float* x, const float* w, float* out, int64_t rows, int64_t dim,
-                      float eps);
-void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
-// KV caches are void*: float32, or bfloat16 when kv_bf16 != 0.
-void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, const float* cos, const float* sin, const float* q_norm,
-                        const float* k_norm, float eps, void* k_cache, void* v_cache, const int64_t* slots,
-                        int64_t kv_bf16);
-void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const int64_t* rows,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* block_tables,
-                      int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition,
-                      int64_t kv_bf16);
-int64_t kvp_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t num_chunks,
-                              const int64_t* token_start, const int64_t* query_len, const int64_t* seq_len,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const void* k_cache,
-                              const void* v_cache, int64_t block_size, const int64_t* block_tables,
-                              int64_t max_blocks, int64_t window, float scale, int64_t kv_bf16);
-void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
-                       void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
-                       const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_bf16);
-}
+// The C ABI: prototypes generated from kvpager/model/backends/kernels/abi.py (the one declaration,
+// checked on every call from Python) by build.py; a definition whose parameter types differ from it
+// does not compile.
+#include "kvp_abi.h"

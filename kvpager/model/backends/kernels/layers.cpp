@@ -93,6 +93,27 @@ extern "C" {
 void kvp_set_num_threads(int64_t n) { omp_set_num_threads(static_cast<int>(n)); }
 int64_t kvp_max_threads() { return omp_get_max_threads(); }
 
+// How many of values[0..n) lie outside [lo, hi): the binding checks index arguments (slots, block
+// ids, token rows) with it before a kernel uses them as offsets.
+int64_t kvp_check_range(const int64_t* values, int64_t n, int64_t lo, int64_t hi) {
+  int64_t bad = 0;
+#pragma omp simd reduction(+ : bad)
+  for (int64_t i = 0; i < n; ++i) bad += (values[i] < lo) | (values[i] >= hi);
+  return bad;
+}
+
+// The instruction set the library was compiled for: 2 AVX-512, 1 AVX2 with FMA, 0 neither (the
+// portable branches, vectorised by the compiler for whatever the target has).
+int64_t kvp_isa() {
+#if defined(__AVX512F__)
+  return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // out[m, n] = x[m] . w[n] (+ bias[n]) for a few rows x [M, K] and weights w [N, K] (torch's Linear
 // layout). Batch-1 decode is a matrix-vector product bound by reading the weights: each weight row is
 // read once for all M inputs, threads split the rows.
@@ -162,7 +183,8 @@ void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter)
       _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
     }
 #endif
-    for (; i < inter; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+#pragma omp simd
+    for (int64_t j = i; j < inter; ++j) o[j] = g[j] / (1.f + fast_exp(-g[j])) * u[j];
   }
 }
 

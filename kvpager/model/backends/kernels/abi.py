@@ -1,0 +1,279 @@
+"""The one declaration of every C kernel: parameters in C order, checked on each call (binding.py).
+
+build.py generates the C prototypes (`kvp_abi.h`, included by common.h) from these specs, so the
+compiler rejects a C++ definition whose parameter types differ. Symbols name sizes: the first tensor
+that has a symbol binds it, every other use must agree, and an `Int` parameter derived from a symbol
+receives it (the caller never passes sizes or strides). The layouts are documented in common.h.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvpager.model.backends.kernels.binding import Float, Int, KernelSpec, Tensor
+
+F32 = (torch.float32,)
+I64 = (torch.int64,)
+KV = (torch.float32, torch.bfloat16)  # KV cache elements; "kv" binds their element size
+LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
+
+Sym = Mapping[str, int]
+
+
+def _kv_bf16(s: Sym) -> int:
+    return int(s["kv"] == 2)
+
+
+def _slots(s: Sym) -> int:
+    return s["num_blocks"] * s["block_size"]
+
+
+def _context(s: Sym) -> int:
+    """One past the longest context a block table row holds."""
+    return s["max_blocks"] * s["block_size"] + 1
+
+
+def _zero(s: Sym) -> int:
+    return 0
+
+
+def _one(s: Sym) -> int:
+    return 1
+
+
+def _cache(writes: bool = False) -> Tensor:
+    return Tensor(KV, ("num_blocks", "block_size", "num_kv_heads", "head_dim"), writes=writes, dtype_as="kv")
+
+
+_GQA = (
+    "num_heads is a multiple of num_kv_heads",
+    lambda s: s["num_kv_heads"] > 0 and s["num_heads"] % s["num_kv_heads"] == 0,
+)
+_HALF = ("cos/sin hold head_dim / 2 values per token", lambda s: s["head_dim"] == 2 * s["half"])
+_PARTITION = ("partition >= 1 and window >= 0", lambda s: s["partition"] >= 1 and s["window"] >= 0)
+
+_ATTENTION_Q = (
+    ("q", Tensor(F32, ("q_rows", "num_heads", "head_dim"), row_stride="q_stride")),
+    ("q_stride", Int("q_stride")),
+    ("out", Tensor(F32, ("q_rows", "num_heads", "head_dim"), writes=True, row_stride="out_stride")),
+    ("out_stride", Int("out_stride")),
+)
+
+SPECS: tuple[KernelSpec, ...] = (
+    KernelSpec("kvp_set_num_threads", (("n", Int()),)),
+    KernelSpec("kvp_max_threads", (), returns="int64_t"),
+    KernelSpec("kvp_isa", (), returns="int64_t"),
+    KernelSpec("kvp_linear_b_fast", (), returns="int64_t"),
+    KernelSpec(
+        "kvp_check_range",
+        (("values", Tensor(I64, ("n",))), ("n", Int("n")), ("lo", Int()), ("hi", Int())),
+        returns="int64_t",
+    ),
+    KernelSpec(
+        "kvp_linear_small",
+        (
+            ("x", Tensor(F32, ("M", "K"))),
+            ("M", Int("M")),
+            ("K", Int("K")),
+            ("w", Tensor(F32, ("N", "K"))),
+            ("N", Int("N")),
+            ("bias", Tensor(F32, ("N",), optional=True)),
+            ("out", Tensor(F32, ("M", "N"), writes=True)),
+        ),
+    ),
+    KernelSpec(
+        "kvp_linear_b",
+        (
+            ("x", Tensor(F32, ("M", "K"))),
+            ("M", Int("M")),
+            ("K", Int("K")),
+            ("wb", Tensor(F32, ("blocks", "K", 16), row_stride="bs")),
+            ("bs", Int("bs")),
+            ("N", Int("N")),
+            ("bias", Tensor(F32, ("N",), optional=True)),
+            ("out", Tensor(F32, ("M", "N"), writes=True)),
+        ),
+        checks=(("out has 16 columns per weight block", lambda s: s["N"] == 16 * s["blocks"]),),
+    ),
+    KernelSpec(
+        "kvp_unblock",
+        (
+            ("wb", Tensor(F32, ("blocks", "K", 16), row_stride="bs")),
+            ("bs", Int("bs")),
+            ("N", Int(lambda s: 16 * s["blocks"])),
+            ("K", Int("K")),
+            ("out", Tensor(F32, ("KN",), writes=True)),
+        ),
+        checks=(("out holds the K x N weight", lambda s: s["KN"] == 16 * s["blocks"] * s["K"]),),
+    ),
+    KernelSpec(
+        "kvp_rms_norm",
+        (
+            ("x", Tensor(F32, ("rows", "dim"), row_stride="x_stride")),
+            ("x_stride", Int("x_stride")),
+            ("w", Tensor(F32, ("dim",))),
+            ("out", Tensor(F32, ("rows", "dim"), writes=True, row_stride="out_stride")),
+            ("out_stride", Int("out_stride")),
+            ("rows", Int("rows")),
+            ("dim", Int("dim")),
+            ("eps", Float()),
+        ),
+    ),
+    KernelSpec(
+        "kvp_add_rms_norm",
+        (
+            ("residual", Tensor(F32, ("rows", "dim"), writes=True)),
+            ("x", Tensor(F32, ("rows", "dim"))),
+            ("w", Tensor(F32, ("dim",))),
+            ("out", Tensor(F32, ("rows", "dim"), writes=True)),
+            ("rows", Int("rows")),
+            ("dim", Int("dim")),
+            ("eps", Float()),
+        ),
+    ),
+    KernelSpec(
+        "kvp_silu_mul",
+        (
+            ("gate_up", Tensor(F32, ("rows", "width"))),
+            ("out", Tensor(F32, ("rows", "inter"), writes=True)),
+            ("rows", Int("rows")),
+            ("inter", Int("inter")),
+        ),
+        checks=(("gate_up is twice as wide as out", lambda s: s["width"] == 2 * s["inter"]),),
+    ),
+    KernelSpec(
+        "kvp_rope_and_cache",
+        (
+            ("qkv", Tensor(F32, ("num_tokens", "width"), writes=True, row_stride="row_stride")),
+            ("row_stride", Int("row_stride")),
+            ("num_tokens", Int("num_tokens")),
+            ("num_heads", Int()),
+            ("num_kv_heads", Int("num_kv_heads")),
+            ("head_dim", Int("head_dim")),
+            ("cos", Tensor(F32, ("num_tokens", "half"))),
+            ("sin", Tensor(F32, ("num_tokens", "half"))),
+            ("q_norm", Tensor(F32, ("head_dim",), optional=True)),
+            ("k_norm", Tensor(F32, ("head_dim",), optional=True)),
+            ("eps", Float()),
+            ("k_cache", _cache(writes=True)),
+            ("v_cache", _cache(writes=True)),
+            ("slots", Tensor(I64, ("num_tokens",), values=(_zero, _slots))),
+            ("kv_bf16", Int(_kv_bf16)),
+        ),
+        checks=(
+            _HALF,
+            (
+                "qkv rows hold num_heads q, then num_kv_heads k and v heads",
+                lambda s: (
+                    s["num_heads"] >= 0 and s["width"] >= (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
+                ),
+            ),
+        ),
+    ),
+    KernelSpec(
+        "kvp_paged_decode",
+        (
+            *_ATTENTION_Q,
+            ("rows", Tensor(I64, ("num_seqs",), optional=True, values=(_zero, lambda s: s["q_rows"]))),
+            ("num_seqs", Int("num_seqs")),
+            ("num_heads", Int("num_heads")),
+            ("num_kv_heads", Int("num_kv_heads")),
+            ("head_dim", Int("head_dim")),
+            ("k_cache", _cache()),
+            ("v_cache", _cache()),
+            ("block_size", Int("block_size")),
+            ("block_tables", Tensor(I64, ("num_seqs", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
+            ("max_blocks", Int("max_blocks")),
+            ("seq_lens", Tensor(I64, ("num_seqs",), values=(_one, _context))),
+            ("window", Int()),
+            ("scale", Float()),
+            ("partition", Int()),
+            ("kv_bf16", Int(_kv_bf16)),
+        ),
+        checks=(_GQA, _PARTITION),
+    ),
+    KernelSpec(
+        "kvp_prefill_attention",
+        (
+            *_ATTENTION_Q,
+            ("num_chunks", Int("num_chunks")),
+            ("token_start", Tensor(I64, ("num_chunks",), values=(_zero, lambda s: s["q_rows"]))),
+            ("query_len", Tensor(I64, ("num_chunks",), values=(_one, lambda s: s["q_rows"] + 1))),
+            ("seq_len", Tensor(I64, ("num_chunks",), values=(_one, _context))),
+            ("num_heads", Int("num_heads")),
+            ("num_kv_heads", Int("num_kv_heads")),
+            ("head_dim", Int("head_dim")),
+            ("k_cache", _cache()),
+            ("v_cache", _cache()),
+            ("block_size", Int("block_size")),
+            ("block_tables", Tensor(I64, ("num_chunks", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
+            ("max_blocks", Int("max_blocks")),
+            ("window", Int()),
+            ("scale", Float()),
+            ("kv_bf16", Int(_kv_bf16)),
+        ),
+        returns="int64_t",
+        checks=(_GQA, ("window >= 0", lambda s: s["window"] >= 0)),
+        tensor_checks=(
+            (
+                "each chunk's tokens lie in q and its queries in its context",
+                lambda t, s: bool(
+                    ((t["token_start"] + t["query_len"] <= s["q_rows"]) & (t["query_len"] <= t["seq_len"])).all()
+                ),
+            ),
+        ),
+    ),
+    KernelSpec(
+        "kvp_decode_layers",
+        (
+            ("x", Tensor(F32, ("M", "H"), writes=True)),
+            ("residual", Tensor(F32, ("M", "H"), writes=True)),
+            ("M", Int("M")),
+            ("H", Int("H")),
+            ("num_layers", Int("num_layers")),
+            ("layers", Tensor(I64, ("num_layers", LAYER_TABLE_WIDTH))),
+            ("num_heads", Int()),
+            ("num_kv_heads", Int("num_kv_heads")),
+            ("head_dim", Int("head_dim")),
+            ("inter", Int()),
+            ("eps", Float()),
+            (
+                "kv_cache",
+                Tensor(
+                    KV,
+                    ("num_layers", 2, "num_blocks", "block_size", "num_kv_heads", "head_dim"),
+                    writes=True,
+                    dtype_as="kv",
+                ),
+            ),
+            ("num_blocks", Int("num_blocks")),
+            ("block_size", Int("block_size")),
+            ("cos", Tensor(F32, ("M", "half"))),
+            ("sin", Tensor(F32, ("M", "half"))),
+            ("slots", Tensor(I64, ("M",), values=(_zero, _slots))),
+            ("block_tables", Tensor(I64, ("M", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
+            ("max_blocks", Int("max_blocks")),
+            ("seq_lens", Tensor(I64, ("M",), values=(_one, _context))),
+            ("window", Int()),
+            ("scale", Float()),
+            ("partition", Int()),
+            ("scratch", Tensor(F32, ("scratch_size",), writes=True)),
+            ("kv_bf16", Int(_kv_bf16)),
+        ),
+        checks=(
+            _GQA,
+            _HALF,
+            _PARTITION,
+            (
+                "scratch holds M * (2 q + 2 kv + 3 inter + H) floats",
+                lambda s: (
+                    s["inter"] > 0
+                    and s["scratch_size"]
+                    >= s["M"] * (2 * (s["num_heads"] + s["num_kv_heads"]) * s["head_dim"] + 3 * s["inter"] + s["H"])
+                ),
+            ),
+        ),
+    ),
+)
