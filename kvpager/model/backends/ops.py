@@ -1,7 +1,9 @@
 """The per-layer operations of the decoder, behind one interface with two implementations.
 
 `TorchOps` is the reference: plain torch, any device and dtype. `CpuKernelOps` runs the same math
-in kvpager's C++ kernels (kvpager/model/backends/kernels/*.cpp) for float32 on CPU: RMSNorm and residual-add
+in kvpager's C++ kernels (kvpager/model/backends/kernels/*.cpp, called with keyword arguments through
+the binding checked against kernels/abi.py; a precondition that fails sends the call to torch and is
+counted in `kernel_stats()`) for float32 on CPU: RMSNorm and residual-add
 fused, SiLU·up fused, RoPE and the K/V cache write fused, decode and prefill attention that read
 K/V blocks in place instead of gathering every sequence's context into a padded tensor (prefill
 beyond PREFILL_KERNEL_MAX_CONTEXT in torch's SDPA), linear layers over weights it stores in column
