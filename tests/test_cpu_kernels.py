@@ -2,7 +2,9 @@
 
 Every comparison allows 1e-5 of the expected values' magnitude: far below what a wrong head mapping,
 block, window or scale produces. `SpyOps` counts kernel calls, so a test also knows the kernel ran
-(and did not silently fall back to torch) or that it fell back when it must.
+(and did not silently fall back to torch) or that it fell back when it must. `kops` runs every test
+against each build whose code differs on this CPU (native, and portable = no AVX-512 where the CPU has
+it) and asserts the build took the instruction set this CPU should take.
 """
 
 from __future__ import annotations
@@ -467,6 +469,7 @@ def test_build_without_a_compiler_is_a_clear_error(tmp_path: Any, monkeypatch: p
         build()
 
 
+@pytest.mark.slow
 def test_build_caches_the_library_per_source_flags_and_cpu(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpager.model.backends.kernels.build import build
 

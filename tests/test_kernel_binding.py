@@ -146,6 +146,7 @@ def test_a_c_definition_that_differs_from_the_declaration_does_not_compile(tmp_p
     assert failed.returncode != 0 and "conflicting declaration" in failed.stderr and "kvp_silu_mul" in failed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_build_runs_the_branches_this_cpu_should_take(isa: str) -> None:
     kernels = load_cpu_kernels(isa)
