@@ -72,10 +72,10 @@ class SpyOps(CpuKernelOps):
 
 # The builds whose code differs on this CPU: "portable" (-mno-avx512f) runs the portable branches,
 # which a "native" build on an AVX-512 CPU never compiles; without AVX-512 the two are the same code.
-ISAS = ["native"] + (["portable"] if expected_isa("native") != expected_isa("portable") else [])
+BUILDS = ["native"] + (["portable"] if expected_isa("native") != expected_isa("portable") else [])
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=BUILDS)
 def kops(request: pytest.FixtureRequest) -> SpyOps:
     # NOTE: builds once per machine (cached), then loads once per process
     kernels = load_cpu_kernels(request.param)
@@ -469,7 +469,6 @@ def test_build_without_a_compiler_is_a_clear_error(tmp_path: Any, monkeypatch: p
         build()
 
 
-@pytest.mark.slow
 def test_build_caches_the_library_per_source_flags_and_cpu(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpager.model.backends.kernels.build import build
 

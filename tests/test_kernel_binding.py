@@ -19,6 +19,8 @@ from kvpager.model.backends.kernels.binding import Float, Int, KernelArgumentErr
 from kvpager.model.backends.kernels.build import ISAS, expected_isa, load_cpu_kernels, requested_isa
 from kvpager.model.backends.ops import CpuKernelOps
 
+pytestmark = pytest.mark.slow  # C++ kernel builds
+
 
 @pytest.fixture(scope="module")
 def kernels() -> Any:
@@ -124,7 +126,6 @@ def test_the_c_prototypes_come_from_the_one_declaration() -> None:
     assert "void f(uint16_t* a, int64_t n, float e);" in c_header((spec,))
 
 
-@pytest.mark.slow
 def test_a_c_definition_that_differs_from_the_declaration_does_not_compile(tmp_path: Any) -> None:
     import subprocess
 
@@ -146,7 +147,6 @@ def test_a_c_definition_that_differs_from_the_declaration_does_not_compile(tmp_p
     assert failed.returncode != 0 and "conflicting declaration" in failed.stderr and "kvp_silu_mul" in failed.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_build_runs_the_branches_this_cpu_should_take(isa: str) -> None:
     kernels = load_cpu_kernels(isa)
