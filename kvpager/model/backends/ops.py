@@ -441,8 +441,13 @@ class CpuKernelOps(TorchOps):
         dec = meta.decode
         if dec is not None:
             reason = _attention_unfit(q, kv_layer)
-            if reason is None and (dec.block_tables.dtype != torch.int64 or dec.seq_lens.dtype != torch.int64):
-                reason = "block tables or sequence lengths not int64"
+            indices = (
+                (dec.block_tables, dec.seq_lens)
+                if dec.is_leading
+                else (dec.block_tables, dec.seq_lens, dec.token_indices)
+            )
+            if reason is None and any(t.dtype != torch.int64 for t in indices):
+                reason = "block tables, sequence lengths or token rows not int64"
             if reason is not None:
                 self.fallbacks.record("decode_attention", reason)
                 attend_decodes(q, kv_layer, meta, scale, out)
