@@ -209,6 +209,19 @@ class BlockPool:
     def num_pins(self, block_id: int) -> int:
         return self._block_id_to_pins.get(block_id, 0)
 
+    # ---- read-only views (the KV map, docs/kv-map.md); copies, O(blocks) ----------------------
+    def ref_counts(self) -> list[int]:
+        """Every block's ref count, indexed by block id."""
+        return [block.ref_cnt for block in self._blocks]
+
+    def hashes(self) -> list[BlockHash | None]:
+        """Every block's cached hash (None when it holds none), indexed by block id."""
+        return [block.block_hash for block in self._blocks]
+
+    def pins(self) -> dict[int, int]:
+        """Pinned block id -> number of pins."""
+        return dict(self._block_id_to_pins)
+
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup, in tokens."""
         self.queries += num_query_tokens

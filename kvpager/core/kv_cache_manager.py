@@ -87,6 +87,10 @@ class KVCacheManager:
         """The request's whole block table (empty when it holds none)."""
         return tuple(self._req_to_blocks.get(request_id, ()))
 
+    def block_tables(self) -> dict[RequestId, tuple[int, ...]]:
+        """Every request's block table (a copy; for read-only views such as the KV map)."""
+        return {request_id: tuple(blocks) for request_id, blocks in self._req_to_blocks.items()}
+
     def block_hashes(self, request_id: RequestId) -> list[BlockHash]:
         """Hashes of the request's full, scheduled blocks, aligned with `block_ids(request_id)`.
 

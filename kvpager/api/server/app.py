@@ -20,8 +20,16 @@ from starlette.responses import JSONResponse, Response
 from kvpager.api.server.chat import create_chat_completion
 from kvpager.api.server.completions import create_completion
 from kvpager.api.server.disagg import ROLES, PrefillClient, PrefillSettings
-from kvpager.api.server.errors import ApiError, ApiKeyMiddleware, BodyLimit, BodyLimitMiddleware
+from kvpager.api.server.errors import ApiError, ApiKeyMiddleware, BodyLimit, BodyLimitMiddleware, CookieAuth
 from kvpager.api.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES, IMPORT_PATH, add_kv_routes
+from kvpager.api.server.kv_view import (
+    COOKIE_NAME,
+    COOKIE_PATHS,
+    OPEN_VIEW_PATHS,
+    KVMapSampler,
+    add_kv_view_routes,
+    cookie_token,
+)
 from kvpager.api.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvpager.api.server.protocol import (
     ChatCompletionRequest,
@@ -92,9 +100,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     _add_routes(app, serving, engine, settings)
     add_kv_routes(app, serving, engine, settings.chat_template, settings.max_kv_import_bytes)
+    app.state.kv_sampler = KVMapSampler(engine, prefill.stats.as_dict if prefill is not None else None)
+    add_kv_view_routes(app, app.state.kv_sampler, settings.api_key)
     # NOTE: added last so they run first: no body is parsed before the size and key checks.
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+        cookie = CookieAuth(COOKIE_NAME, cookie_token(settings.api_key), COOKIE_PATHS)
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS | OPEN_VIEW_PATHS, cookie=cookie
+        )
     kv_limit = BodyLimit(settings.max_kv_import_bytes, "--max-kv-import-bytes")
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes, route_limits={IMPORT_PATH: kv_limit}

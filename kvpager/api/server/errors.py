@@ -127,16 +127,34 @@ def _too_large(size: int, limit: BodyLimit) -> ApiError:
     )
 
 
-class ApiKeyMiddleware:
-    """Answers 401 unless `Authorization: Bearer <key>` matches; paths in `open_paths` stay open."""
+@dataclass(frozen=True)
+class CookieAuth:
+    """A cookie that stands in for the key on a few GET paths (the /kv page's login, see kv_view.py)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
+    name: str
+    value: str
+    paths: frozenset[str]
+
+
+class ApiKeyMiddleware:
+    """Answers 401 unless `Authorization: Bearer <key>` matches; paths in `open_paths` stay open.
+
+    With `cookie`, a GET to one of `cookie.paths` carrying that cookie passes too.
+    """
+
+    def __init__(
+        self, app: ASGIApp, api_key: str, open_paths: frozenset[str], cookie: CookieAuth | None = None
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.open_paths = open_paths
+        self.cookie = cookie
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if self._cookie_ok(scope):
             await self.app(scope, receive, send)
             return
         auth = _header(scope, b"authorization") or ""
@@ -148,6 +166,16 @@ class ApiKeyMiddleware:
         await send_error(
             send, ApiError(401, message + " Pass it as 'Authorization: Bearer <key>'.", code="invalid_api_key")
         )
+
+    def _cookie_ok(self, scope: Scope) -> bool:
+        cookie = self.cookie
+        if cookie is None or scope.get("method") != "GET" or scope["path"] not in cookie.paths:
+            return False
+        for part in (_header(scope, b"cookie") or "").split(";"):
+            name, _, value = part.strip().partition("=")
+            if name == cookie.name and hmac.compare_digest(value.encode(), cookie.value.encode()):
+                return True
+        return False
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
