@@ -9,9 +9,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from kv_map_checks import check_snapshot
+
 from kvpager.core.hashing import BlockHash, RequestId, hash_prompt_blocks
 from kvpager.core.kv_cache_manager import KVCacheManager
-from kvpager.core.kv_snapshot import HASH_PREFIX_HEX, STATES, KVMapper, TierView, capture
+from kvpager.core.kv_snapshot import KVMapper, TierView, capture
 from kvpager.core.request import Request, RequestStatus
 from kvpager.core.scheduler import Scheduler, SchedulerConfig
 
@@ -48,48 +50,6 @@ def decode(tokens: Any) -> str:
     return " ".join(f"t{t}" for t in tokens)
 
 
-def check(doc: dict[str, Any], scheduler: Scheduler, store: DictStore) -> None:
-    """Every claim of the document, checked against the pool, the KV manager and the store."""
-    manager = scheduler.kv_manager
-    pool = manager.block_pool
-    counts = doc["counts"]
-    assert doc["num_blocks"] == pool.num_blocks == len(doc["blocks"])
-    assert sum(counts[s] for s in STATES) == pool.num_blocks
-    assert counts["owned"] + counts["pinned"] == pool.num_owned_blocks
-    assert counts["free"] + counts["cached"] == pool.num_free_blocks
-    assert doc["free_lru"] == pool.free_block_ids()
-    owners: dict[int, list[str]] = {}
-    live = [*scheduler.running, *scheduler.waiting]
-    for request in live:
-        for block_id in manager.block_ids(request.request_id):
-            owners.setdefault(block_id, []).append(str(request.request_id))
-    for block in doc["blocks"]:
-        block_id = block["id"]
-        block_hash = pool.block_hash(block_id)
-        assert block["ref"] == pool.ref_cnt(block_id)
-        assert block.get("pins", 0) == pool.num_pins(block_id)
-        assert block["ref"] == len(block.get("owners", [])) + pool.num_pins(block_id)
-        assert sorted(block.get("owners", [])) == sorted(owners.get(block_id, []))
-        assert block.get("hash") == (block_hash.hex()[:HASH_PREFIX_HEX] if block_hash is not None else None)
-        want_state = (
-            "pinned"
-            if pool.num_pins(block_id)
-            else "owned"
-            if pool.ref_cnt(block_id)
-            else ("cached" if block_hash is not None else "free")
-        )
-        assert block["state"] == want_state
-        assert block.get("tiers", []) == (["host"] if block_hash is not None and store.contains(block_hash) else [])
-    assert counts["shared"] == sum(1 for b in doc["blocks"] if b["state"] == "owned" and b["ref"] >= 2)
-    assert [r["id"] for r in doc["requests"]] == [str(r.request_id) for r in live]
-    for row, request in zip(doc["requests"], live, strict=True):
-        assert row["blocks"] == list(manager.block_ids(request.request_id))
-        assert row["computed_tokens"] == request.num_computed_tokens
-        assert row["preemptions"] == request.num_preemptions
-    assert doc["num_preemptions"] == scheduler.num_preemptions
-    assert doc["prefix_cache"]["hits"] == pool.hits and doc["prefix_cache"]["queries"] == pool.queries
-
-
 def test_snapshot_matches_the_pool_after_every_step_of_a_sharing_preempting_tiered_workload() -> None:
     store = DictStore()
     manager = KVCacheManager(BLOCK, 13, enable_caching=True, hash_seed=SEED, store=store)
@@ -115,7 +75,7 @@ def test_snapshot_matches_the_pool_after_every_step_of_a_sharing_preempting_tier
             break
         out = scheduler.schedule()
         doc = mapper.render(capture(scheduler, [store.view()], lambda h: ("host",) if store.contains(h) else ()))
-        check(doc, scheduler, store)
+        check_snapshot(doc, scheduler, lambda h: ["host"] if store.contains(h) else [])
         seen["shared"] = max(seen["shared"], doc["counts"]["shared"])
         seen["preempted"] = max(seen["preempted"], doc["num_preemptions"])
         seen["tier_copies"] = max(seen["tier_copies"], sum(1 for b in doc["blocks"] if b.get("tiers")))

@@ -162,6 +162,7 @@ def _serve(args: argparse.Namespace, config: object, settings: ServerSettings) -
         settings.role,
         f", prefill server {settings.prefill.base_url}" if settings.prefill is not None else "",
     )
+    logger.info("KV memory, live: http://%s:%d/kv (the same as JSON: /v1/kv/map)", args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:

@@ -100,7 +100,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     _add_routes(app, serving, engine, settings)
     add_kv_routes(app, serving, engine, settings.chat_template, settings.max_kv_import_bytes)
-    app.state.kv_sampler = KVMapSampler(engine, prefill.stats.as_dict if prefill is not None else None)
+    remote = prefill.stats.as_dict if prefill is not None else None
+    app.state.kv_sampler = KVMapSampler(engine, remote, model_name=names[0])
     add_kv_view_routes(app, app.state.kv_sampler, settings.api_key)
     # NOTE: added last so they run first: no body is parsed before the size and key checks.
     if settings.api_key:

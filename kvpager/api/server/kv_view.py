@@ -58,8 +58,10 @@ class KVMapSampler:
         engine: AsyncEngine,
         remote_stats: Callable[[], dict[str, float]] | None = None,
         min_interval_s: float = MIN_INTERVAL_S,
+        model_name: str | None = None,
     ) -> None:
         self.engine = engine
+        self.model_name = model_name or engine.model_name
         self.remote_stats = remote_stats
         self.min_interval_s = min_interval_s
         self._mapper: KVMapper | None = None
@@ -80,7 +82,7 @@ class KVMapSampler:
             if self.remote_stats is not None:
                 cap.tiers.append(_remote_view(self.remote_stats()))
             doc = await asyncio.to_thread(self._mapper.render, cap)
-            doc["model"] = self.engine.model_name
+            doc["model"] = self.model_name
             self._last, self._last_at = doc, time.monotonic()
             return doc
 

@@ -145,7 +145,10 @@
     const ns = "http://www.w3.org/2000/svg";
     svg.replaceChildren();
     const now = view.doc ? view.doc.time : Date.now() / 1000;
-    const t0 = now - WINDOW_S;
+    // the x axis spans the history held (up to WINDOW_S), so a fresh page draws full-width lines
+    const first = view.history.length ? view.history[0].t : now;
+    const t0 = Math.max(now - WINDOW_S, Math.min(first, now - 10));
+    const span = now - t0;
     let max = fixedMax || 0;
     if (!fixedMax) for (const s of series) for (const [, v] of s.values) max = Math.max(max, v);
     max = max || 1;
@@ -157,7 +160,7 @@
     }
     let count = 0;
     for (const s of series) {
-      const pts = s.values.filter(([t]) => t >= t0).map(([t, v]) => `${(((t - t0) / WINDOW_S) * 300).toFixed(1)},${(88 - (86 * v) / max).toFixed(1)}`);
+      const pts = s.values.filter(([t]) => t >= t0).map(([t, v]) => `${(((t - t0) / span) * 300).toFixed(1)},${(88 - (86 * v) / max).toFixed(1)}`);
       count += pts.length;
       const poly = document.createElementNS(ns, "polyline");
       poly.setAttribute("points", pts.join(" "));
@@ -238,7 +241,9 @@
     view.lruRank = {};
     doc.free_lru.forEach((id, i) => { view.lruRank[id] = i; });
     $("view").hidden = false;
-    $("model").textContent = doc.model || "";
+    const model = doc.model || "";
+    $("model").textContent = model.split("/").filter(Boolean).pop() || model;
+    $("model").title = model;
     for (const k of ["free", "cached", "owned", "shared", "pinned"]) $("n-" + k).textContent = doc.counts[k];
     $("usage").textContent = pct(doc.point.usage);
     $("hit-rate").textContent = pct(doc.prefix_cache.hit_rate);
