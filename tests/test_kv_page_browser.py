@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import tiny_llama_config
-from server_harness import free_port
+from kv_map_checks import serve_in_thread
 
 from kvpager.api.server.app import ServerSettings, build_app
 from kvpager.core.sampling_params import SamplingParams
@@ -114,22 +114,11 @@ def frozen(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         engine.step()
     held = HeldEngine(engine)
     app = build_app(AsyncEngine(held), ServerSettings(api_key=KEY))
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
     try:
-        yield f"http://127.0.0.1:{port}", held
+        with serve_in_thread(app) as url:
+            yield url, held
     finally:
         held.held.clear()
-        server.should_exit = True
-        thread.join(15)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +188,11 @@ def screenshot(browser: Any, path: Path, width: int, height: int, dark: bool, mo
     height = browser.execute_script("return document.documentElement.scrollHeight")
     shot = browser.execute_cdp_cmd(
         "Page.captureScreenshot",
-        {"format": "png", "captureBeyondViewport": True, "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}},
+        {
+            "format": "png",
+            "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
+        },
     )
     import base64
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kv_map_checks import check_snapshot
+from kv_map_checks import blocks_of, check_snapshot
 
 from kvpager.core.hashing import BlockHash, RequestId, hash_prompt_blocks
 from kvpager.core.kv_cache_manager import KVCacheManager
@@ -78,9 +78,9 @@ def test_snapshot_matches_the_pool_after_every_step_of_a_sharing_preempting_tier
         check_snapshot(doc, scheduler, lambda h: ["host"] if store.contains(h) else [])
         seen["shared"] = max(seen["shared"], doc["counts"]["shared"])
         seen["preempted"] = max(seen["preempted"], doc["num_preemptions"])
-        seen["tier_copies"] = max(seen["tier_copies"], sum(1 for b in doc["blocks"] if b.get("tiers")))
+        seen["tier_copies"] = max(seen["tier_copies"], len(doc["blocks"]["tiers"]))
         seen["pinned_shared"] = max(
-            seen["pinned_shared"], sum(1 for b in doc["blocks"] if b["state"] == "pinned" and b.get("owners"))
+            seen["pinned_shared"], sum(1 for b in blocks_of(doc) if b["state"] == "pinned" and b.get("owners"))
         )
         sampled = {s.request_id: 7 + step for s in out.scheduled if s.needs_sample}
         for request in scheduler.update_from_output(out, sampled):
@@ -110,15 +110,15 @@ def test_block_text_comes_from_its_owner_and_stays_known_after_the_block_is_free
     scheduler.add_request(request)
     mapper = KVMapper(decode=decode)
     scheduler.schedule()
-    doc = mapper.render(capture(scheduler))
+    blocks = blocks_of(mapper.render(capture(scheduler)))
     table = manager.block_ids(RequestId("a"))
-    assert doc["blocks"][table[0]]["text"] == "t5 t6 t7 t8"
-    assert doc["blocks"][table[1]]["text"] == "t9 t10"  # the partial last block: its tokens so far
-    assert doc["blocks"][table[0]]["owners"] == ["a"]
+    assert blocks[table[0]]["text"] == "t5 t6 t7 t8"
+    assert blocks[table[1]]["text"] == "t9 t10"  # the partial last block: its tokens so far
+    assert blocks[table[0]]["owners"] == ["a"]
     scheduler.finish_request(RequestId("a"), RequestStatus.FINISHED_ABORTED)
     doc = mapper.render(capture(scheduler))
-    first = doc["blocks"][table[0]]
+    blocks = blocks_of(doc)
+    first = blocks[table[0]]
     assert first["state"] == "cached" and first["text"] == "t5 t6 t7 t8" and "owners" not in first
-    assert doc["blocks"][table[1]]["state"] == "free" and "text" not in doc["blocks"][table[1]]
-    # the eviction order is the pool's: the chain's end goes first, then the never-used blocks stay behind
-    assert doc["free_lru"] == manager.block_pool.free_block_ids()
+    assert blocks[table[1]]["state"] == "free" and "text" not in blocks[table[1]]
+    assert doc["evict_order"] == [table[0]]  # the one cached block: next to go

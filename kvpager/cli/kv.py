@@ -1,7 +1,8 @@
-"""`kvpager kv save | inspect`: write a KV pack from a prompt once; print a pack's header.
+"""`kvpager kv save | inspect | top`: write a KV pack from a prompt once; print a pack's header; watch a server's KV.
 
     kvpager kv save --model M --prompt-file F [--chat] [--codec C] -o X.kvpack
     kvpager kv inspect X.kvpack [--json]
+    kvpager kv top --url http://127.0.0.1:8000 [--once]    (see kv_top.py)
 
 A pack is loaded at start with `kvpager serve --kv-pack X.kvpack` (repeatable): its blocks are
 pinned in the prefix cache, so a request starting with the same tokens pays no prefill for them.
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpager.cli.kv_top import add_top_parser, main_top
 from kvpager.core.config import KV_CODECS
 from kvpager.engine.args import add_engine_args, config_from_args
 
@@ -26,7 +28,9 @@ MAX_SHOWN_TOKEN_IDS = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpager kv", description="KV packs: save a prefilled prompt, inspect a pack")
+    p = argparse.ArgumentParser(
+        prog="kvpager kv", description="KV packs: save a prefilled prompt, inspect a pack; watch a server's KV map"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="prefill a text once and write its KV pack")
     save.add_argument("--prompt-file", required=True, help="UTF-8 text to prefill")
@@ -38,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="print a pack's header and size")
     inspect.add_argument("pack", help="a .kvpack file")
     inspect.add_argument("--json", action="store_true", help="print the full header as JSON")
+    add_top_parser(sub)
     return p
 
 
@@ -47,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, format="%(message)s"
     )
     try:
-        return _save(args) if args.command == "save" else _inspect(args)
+        commands = {"save": _save, "inspect": _inspect, "top": main_top}
+        return commands[args.command](args)
     except (ValueError, OSError) as error:
         print(f"kvpager kv {args.command}: error: {error}", file=sys.stderr)
         return 2

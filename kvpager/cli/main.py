@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("kvpager.cli.chat", "interactive terminal chat"),
     "plan": ("kvpager.cli.plan", "capacity planner: will it fit, how much context, how fast"),
     "bench": ("kvpager.cli.bench", "benchmarks: throughput, serve, memory, roofline, prefix"),
-    "kv": ("kvpager.cli.kv", "KV packs: save, inspect"),
+    "kv": ("kvpager.cli.kv", "KV packs and the live KV map: save, inspect, top"),
 }
 
 

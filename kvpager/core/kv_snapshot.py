@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 from kvpager.core.hashing import BlockHash
@@ -28,6 +29,7 @@ SCHEMA_VERSION = 1
 HASH_PREFIX_HEX = 16  # hex characters of a block hash shown
 MAX_TEXT_CHARS = 80  # decoded text of one block, cut to this
 STATES = ("free", "cached", "owned", "pinned")
+STATE_CHARS = {"free": ".", "cached": "c", "owned": "o", "pinned": "p"}  # `blocks.state`, one per block
 Decode = Callable[[Sequence[int]], str]
 
 
@@ -72,7 +74,7 @@ class KVCapture:
     ref_counts: list[int]
     hashes: list[BlockHash | None]
     pins: dict[int, int]
-    free_order: list[int]
+    free_order: list[int]  # the free queue, head first (empty when no block is cached: order is moot then)
     tables: dict[str, tuple[int, ...]]
     requests: list[RequestView]
     prefix_queries: int
@@ -118,7 +120,7 @@ def capture(
         ref_counts=pool.ref_counts(),
         hashes=hashes,
         pins=pool.pins(),
-        free_order=pool.free_block_ids(),
+        free_order=pool.free_block_ids() if pool.num_cached_blocks else [],
         tables={str(k): v for k, v in manager.block_tables().items()},
         requests=requests,
         prefix_queries=pool.queries,
@@ -167,13 +169,34 @@ class KVMapper:
         self._text: OrderedDict[BlockHash, str] = OrderedDict()
 
     def render(self, cap: KVCapture) -> dict[str, Any]:
-        """The snapshot document (docs/kv-map.md); appends one point to `history`."""
+        """The snapshot document (docs/kv-map.md); appends one point to `history`.
+
+        NOTE: blocks are columns: one state character per block, and ref counts, hashes, owners, pins,
+        text and tier copies keyed by block id only where they apply, so the document grows with the
+        blocks in use, not with the pool (one object per block was ten times slower to build and send).
+        """
+        pins, refs, hashes = cap.pins, cap.ref_counts, cap.hashes
+        ids = range(cap.num_blocks)
+        # NOTE: compress() walks the columns in C; Python code runs only for blocks in use.
+        owned_ids = list(compress(ids, refs))
+        hashed_ids = list(compress(ids, hashes))
+        states = bytearray(b"." * cap.num_blocks)
+        for block_id in hashed_ids:
+            states[block_id] = ord("c")
+        num_shared = 0
+        for block_id in owned_ids:
+            if block_id in pins:
+                states[block_id] = ord("p")
+            else:
+                states[block_id] = ord("o")
+                num_shared += refs[block_id] >= 2
+        used_refs = {str(block_id): refs[block_id] for block_id in owned_ids}
+        used_hashes = {str(block_id): bytes(hashes[block_id] or b"").hex()[:HASH_PREFIX_HEX] for block_id in hashed_ids}
+        state_text = states.decode("ascii")
+        counts = {name: states.count(ord(char)) for name, char in STATE_CHARS.items()}
+        counts["shared"] = num_shared
         where = _owner_positions(cap)
-        blocks = [self._block(cap, block_id, where.get(block_id)) for block_id in range(cap.num_blocks)]
-        counts = dict.fromkeys(STATES, 0)
-        for block in blocks:
-            counts[block["state"]] += 1
-        counts["shared"] = sum(1 for b in blocks if b["state"] == "owned" and b["ref"] >= 2)  # a subset of owned
+        texts = self._texts(cap, where) if self.decode is not None else {}
         queries, hits = cap.prefix_queries, cap.prefix_hits
         point = {
             "t": cap.time,
@@ -200,50 +223,51 @@ class KVMapper:
                 "evictions": cap.evictions,
             },
             "num_preemptions": cap.num_preemptions,
-            "free_lru": list(cap.free_order),
-            "blocks": blocks,
+            "evict_order": [b for b in cap.free_order if cap.hashes[b] is not None],
+            "blocks": {
+                "state": state_text,
+                "ref": used_refs,
+                "hash": used_hashes,
+                "owners": {str(block_id): owner[0] for block_id, owner in where.items()},
+                "pins": {str(block_id): n for block_id, n in pins.items()},
+                "text": texts,
+                "tiers": {str(block_id): list(found) for block_id, found in cap.tier_copies.items()},
+            },
             "requests": [self._request(r) for r in cap.requests],
             "tiers": [_tier_json(t) for t in cap.tiers],
             "planner": self.planner,
             "point": point,
         }
 
-    def _block(self, cap: KVCapture, block_id: int, owner: tuple[list[str], str, int] | None) -> dict[str, Any]:
-        ref = cap.ref_counts[block_id]
-        block_hash = cap.hashes[block_id]
-        pins = cap.pins.get(block_id, 0)
-        out: dict[str, Any] = {"id": block_id, "ref": ref}
-        if pins:
-            out["state"], out["pins"] = "pinned", pins
-        elif ref:
-            out["state"] = "owned"
-        else:
-            out["state"] = "cached" if block_hash is not None else "free"
-        if owner is not None:
-            out["owners"] = owner[0]
-        if block_hash is not None:
-            out["hash"] = block_hash.hex()[:HASH_PREFIX_HEX]
-        text = self._text_of(cap, block_hash, owner)
-        if text is not None:
-            out["text"] = text
-        copies = cap.tier_copies.get(block_id)
-        if copies:
-            out["tiers"] = list(copies)
-        return out
+    def _texts(self, cap: KVCapture, where: dict[int, tuple[list[str], str, int]]) -> dict[str, str]:
+        """Text of every owned block, and of every cached block whose hash was seen owned before."""
+        by_id = {r.request_id: r for r in cap.requests}
+        texts: dict[str, str] = {}
+        for block_id, owner in where.items():
+            text = self._text_of(cap, cap.hashes[block_id], owner, by_id)
+            if text is not None:
+                texts[str(block_id)] = text
+        for block_id in cap.free_order:
+            h = cap.hashes[block_id]
+            if h is not None and h in self._text:
+                texts[str(block_id)] = self._text[h]
+        return texts
 
     def _text_of(
-        self, cap: KVCapture, block_hash: BlockHash | None, owner: tuple[list[str], str, int] | None
+        self,
+        cap: KVCapture,
+        block_hash: BlockHash | None,
+        owner: tuple[list[str], str, int],
+        by_id: dict[str, RequestView],
     ) -> str | None:
-        if self.decode is None:
-            return None
+        """An owned block's text: memoised by hash for full blocks, decoded from its first owner otherwise."""
+        assert self.decode is not None
         if block_hash is not None and block_hash in self._text:
             self._text.move_to_end(block_hash)
             return self._text[block_hash]
-        if owner is None:
-            return None
         _, request_id, index = owner
-        request = next((r for r in cap.requests if r.request_id == request_id), None)
-        if request is None:
+        request = by_id.get(request_id)
+        if request is None:  # a table outside the scheduler (e.g. an export between steps)
             return None
         start = index * cap.block_size
         tokens = request.token_ids[start : start + cap.block_size]

@@ -1,8 +1,9 @@
 """The live KV memory view: `GET /kv` (the page), `GET /v1/kv/map` (JSON), `GET /v1/kv/stream` (SSE).
 
 A snapshot is copied on the engine thread between two steps (`run_in_engine`, O(blocks)) and turned
-into JSON off it; `KVMapSampler` shares one snapshot between every watcher for `MIN_INTERVAL_S`, so
-the engine pays at most a few copies per second, and nothing at all while nobody watches.
+into JSON off it; `KVMapSampler` shares one snapshot between every watcher for `MIN_INTERVAL_S` (longer
+when a snapshot costs more than `COST_FRACTION` of that), so the engine pays at most a few copies per
+second, and nothing at all while nobody watches.
 With an API key the JSON and the stream need it: `Authorization: Bearer KEY`, or the HttpOnly cookie
 that the page's login form (`POST /kv/login`, key in the body, never in a URL) sets. The cookie
 holds an HMAC of the key, not the key, and opens only these two GET routes.
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from kvpager.api.server.errors import ApiError
-from kvpager.core.kv_snapshot import KVMapper, TierView
+from kvpager.core.kv_snapshot import KVCapture, KVMapper, TierView
 from kvpager.engine.async_engine import AsyncEngine, EngineDeadError
 from kvpager.engine.kv_map import capture_engine, planner_prediction
 
@@ -39,6 +40,9 @@ OPEN_VIEW_PATHS = frozenset({"/", PAGE_PATH, LOGIN_PATH, LOGOUT_PATH, *ASSETS})
 COOKIE_PATHS = frozenset({MAP_PATH, STREAM_PATH})
 COOKIE_NAME = "kvpager_kv"
 MIN_INTERVAL_S = 0.25  # one shared snapshot at most this often, whatever the number of watchers
+# A snapshot (copy on the engine thread + JSON off it, which still holds the GIL) may take at most this
+# fraction of the time between two snapshots.
+COST_FRACTION = 0.01
 DEFAULT_STREAM_INTERVAL_S = 1.0
 MAX_STREAM_INTERVAL_S = 10.0
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -69,20 +73,28 @@ class KVMapSampler:
         self._last: dict[str, Any] | None = None
         self._last_at = 0.0
         self.num_captures = 0
+        self.last_cost_s = 0.0
+        self.interval_s = min_interval_s  # what the last snapshot's cost allows (see COST_FRACTION)
 
     async def snapshot(self) -> dict[str, Any]:
         """The latest snapshot document (a fresh one if the last is older than `min_interval_s`)."""
         async with self._lock:
-            if self._last is not None and time.monotonic() - self._last_at < self.min_interval_s:
+            if self._last is not None and time.monotonic() - self._last_at < self.interval_s:
                 return self._last
             if self._mapper is None:
                 self._mapper = await asyncio.to_thread(self._new_mapper)
-            cap = await asyncio.wait_for(self.engine.run_in_engine(capture_engine), SNAPSHOT_TIMEOUT_S)
+            cap, capture_s = await asyncio.wait_for(self.engine.run_in_engine(_timed_capture), SNAPSHOT_TIMEOUT_S)
             self.num_captures += 1
             if self.remote_stats is not None:
                 cap.tiers.append(_remote_view(self.remote_stats()))
+            start = time.perf_counter()
             doc = await asyncio.to_thread(self._mapper.render, cap)
+            # NOTE: the next snapshot waits until this one's cost is at most COST_FRACTION of the time
+            # between them, so a huge pool is refreshed less often instead of slowing the engine.
+            self.last_cost_s = capture_s + time.perf_counter() - start
+            self.interval_s = max(self.min_interval_s, self.last_cost_s / COST_FRACTION)
             doc["model"] = self.model_name
+            doc["interval_s"] = self.interval_s
             self._last, self._last_at = doc, time.monotonic()
             return doc
 
@@ -97,6 +109,13 @@ class KVMapSampler:
             return str(tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
         return KVMapper(decode=decode, planner=planner_prediction(engine))
+
+
+def _timed_capture(engine: Any) -> tuple[KVCapture, float]:
+    """The capture and the seconds it held the engine thread (waiting for the step in flight excluded)."""
+    start = time.perf_counter()
+    cap = capture_engine(engine)
+    return cap, time.perf_counter() - start
 
 
 def _remote_view(stats: dict[str, float]) -> TierView:
@@ -194,14 +213,17 @@ async def _snapshot(sampler: KVMapSampler) -> dict[str, Any]:
 async def _events(sampler: KVMapSampler, first: dict[str, Any], interval: float) -> AsyncIterator[str]:
     """SSE: the first event carries the history, the next ones the latest snapshot (one per interval)."""
     yield _sse({**first, "history": sampler.history()})
+    last_time = first["time"]
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(max(interval, sampler.interval_s))
         try:
             doc = await sampler.snapshot()
         except (EngineDeadError, TimeoutError):
             yield "event: error\ndata: {}\n\n"
             return
-        yield _sse(doc)
+        if doc["time"] != last_time:  # a snapshot shared with another watcher is sent once
+            last_time = doc["time"]
+            yield _sse(doc)
 
 
 def _sse(doc: dict[str, Any]) -> str:

@@ -9,6 +9,17 @@
   window.kvView = view; // read by the browser test and handy in the console
 
   const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+  const STATE_NAMES = { ".": "free", c: "cached", o: "owned", p: "pinned" };
+  // One block of the document's columns (docs/kv-map.md) as an object.
+  function block(id) {
+    const B = view.doc.blocks;
+    const k = String(id);
+    return {
+      id, state: STATE_NAMES[B.state[id]], ref: B.ref[k] || 0, hash: B.hash[k], owners: B.owners[k],
+      pins: B.pins[k], text: B.text[k], tiers: B.tiers[k],
+    };
+  }
+  view.block = block;
   const isShared = (b) => b.state === "owned" && b.ref >= 2;
   const colorOf = (b) => css("--" + (isShared(b) ? "shared" : b.state));
   view.colorOf = colorOf;
@@ -45,17 +56,17 @@
     const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     const gap = size >= 6 ? 1 : 0;
-    const numFree = doc.free_lru.length || 1;
+    const numCached = doc.evict_order.length || 1;
     const lru = view.lruRank;
     ctx.font = `${Math.floor(size * 0.7)}px ui-monospace, monospace`;
     ctx.textAlign = "center";
     ctx.textBaseline = "middle";
     ids.forEach((id, i) => {
-      const b = doc.blocks[id];
+      const b = block(id);
       const x = (i % cols) * size;
       const y = Math.floor(i / cols) * size;
       // cached blocks: the next ones to be evicted (head of the LRU queue) are drawn faintest
-      ctx.globalAlpha = b.state === "cached" ? 0.35 + 0.65 * ((lru[id] || 0) / numFree) : 1;
+      ctx.globalAlpha = b.state === "cached" ? 0.35 + 0.65 * ((lru[id] || 0) / numCached) : 1;
       ctx.fillStyle = colorOf(b);
       ctx.fillRect(x, y, size - gap, size - gap);
       if (size >= 14 && b.ref >= 2) {
@@ -92,7 +103,7 @@
     const tip = $("tip");
     const id = layout ? blockAt(layout, event) : null;
     if (id === null || !view.doc) { tip.hidden = true; return; }
-    const b = view.doc.blocks[id];
+    const b = block(id);
     tip.replaceChildren();
     const line = (label, value, cls) => {
       const div = document.createElement("div");
@@ -105,7 +116,7 @@
     };
     line("block", `${id} · ${isShared(b) ? "shared" : b.state} · ref ${b.ref}` + (b.pins ? ` · ${b.pins} pin(s)` : ""));
     if (b.hash) line("hash", b.hash + "…");
-    if (b.state === "cached") line("evicted", `${view.lruRank[id] + 1} of ${view.doc.free_lru.length} in line`);
+    if (b.state === "cached") line("evicted", `${view.lruRank[id] + 1} of ${view.doc.evict_order.length} in line`);
     if (b.owners) line("owners", b.owners.join(", "));
     line("tiers", ["device", ...(b.tiers || [])].join(", "));
     if (b.text !== undefined) line("", b.text, "text");
@@ -239,7 +250,7 @@
     view.doc = doc;
     view.updates += 1;
     view.lruRank = {};
-    doc.free_lru.forEach((id, i) => { view.lruRank[id] = i; });
+    doc.evict_order.forEach((id, i) => { view.lruRank[id] = i; });
     $("view").hidden = false;
     const model = doc.model || "";
     $("model").textContent = model.split("/").filter(Boolean).pop() || model;
@@ -250,7 +261,8 @@
     $("preemptions").textContent = doc.num_preemptions;
     $("pool-size").textContent = `${doc.num_blocks} × ${doc.block_size} tokens`;
     const grid = $("grid");
-    view.grid = drawCells(grid, doc.blocks.map((b) => b.id), cellSize(doc.num_blocks), grid.parentElement.clientWidth);
+    const ids = Array.from({ length: doc.num_blocks }, (_, i) => i);
+    view.grid = drawCells(grid, ids, cellSize(doc.num_blocks), grid.parentElement.clientWidth);
     drawRequests();
     drawCharts();
     fillTable($("tiers").tBodies[0], doc.tiers.map((t) => [
@@ -301,8 +313,9 @@
     onSnapshot(await response.json());
     source = new EventSource(`/v1/kv/stream?interval=${interval}`);
     source.onmessage = (event) => {
-      onSnapshot(JSON.parse(event.data));
-      setStatus("live", `live · every ${interval} s`);
+      const doc = JSON.parse(event.data);
+      onSnapshot(doc);
+      setStatus("live", `live · every ${Math.max(interval, doc.interval_s || 0).toFixed(2).replace(/\.?0+$/, "")} s`);
     };
     source.onerror = () => {
       source.close();
