@@ -87,11 +87,10 @@ class KVMapSampler:
             self.num_captures += 1
             if self.remote_stats is not None:
                 cap.tiers.append(_remote_view(self.remote_stats()))
-            start = time.perf_counter()
-            doc = await asyncio.to_thread(self._mapper.render, cap)
+            doc, render_s = await asyncio.to_thread(_timed_render, self._mapper, cap)
             # NOTE: the next snapshot waits until this one's cost is at most COST_FRACTION of the time
             # between them, so a huge pool is refreshed less often instead of slowing the engine.
-            self.last_cost_s = capture_s + time.perf_counter() - start
+            self.last_cost_s = capture_s + render_s
             self.interval_s = max(self.min_interval_s, self.last_cost_s / COST_FRACTION)
             doc["model"] = self.model_name
             doc["interval_s"] = self.interval_s
@@ -112,10 +111,16 @@ class KVMapSampler:
 
 
 def _timed_capture(engine: Any) -> tuple[KVCapture, float]:
-    """The capture and the seconds it held the engine thread (waiting for the step in flight excluded)."""
-    start = time.perf_counter()
+    """The capture and the CPU seconds it took the engine thread (thread time: waits for the GIL excluded)."""
+    start = time.thread_time()
     cap = capture_engine(engine)
-    return cap, time.perf_counter() - start
+    return cap, time.thread_time() - start
+
+
+def _timed_render(mapper: KVMapper, cap: KVCapture) -> tuple[dict[str, Any], float]:
+    start = time.thread_time()
+    doc = mapper.render(cap)
+    return doc, time.thread_time() - start
 
 
 def _remote_view(stats: dict[str, float]) -> TierView:

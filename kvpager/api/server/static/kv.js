@@ -231,8 +231,9 @@
       const id = document.createElement("span");
       id.className = "id";
       id.textContent = r.id;
+      id.title = r.id;
       const total = r.prompt_tokens + r.output_tokens;
-      meta.append(id, ` ${r.status} · ${r.computed_tokens}/${total} tok · ${r.cached_tokens} cached` + (r.preemptions ? ` · preempted ${r.preemptions}×` : ""));
+      meta.append(id, `${r.status} · ${r.computed_tokens}/${total} tok · ${r.cached_tokens} cached` + (r.preemptions ? ` · preempted ${r.preemptions}×` : ""));
       const canvas = document.createElement("canvas");
       row.append(meta, canvas);
       const layout = { canvas, ids: r.blocks, size: 10, cols: 1 };
