@@ -26,6 +26,8 @@ from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
 from kvpager.engine.kv_map import capture_engine, planner_prediction
 
+pytestmark = pytest.mark.slow  # an engine per test and real servers
+
 SHARED = list(range(10, 26))  # four full blocks of 4
 KEY = "sk-kv-test"
 
