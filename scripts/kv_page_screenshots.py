@@ -65,6 +65,11 @@ def capture(driver: Any, path: Path, width: int, height: int, dark: bool, mobile
     scheme = [{"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]
     driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": scheme})
     time.sleep(2.5)  # a few live updates at the new size
+    # wait (a while at most) for a moment worth showing: several requests, a prefix shared by two
+    busy = "const d = kvView.doc; return d.requests.length >= 3 && d.counts.shared >= 2;"
+    deadline = time.monotonic() + 90
+    while not driver.execute_script(busy) and time.monotonic() < deadline:
+        time.sleep(0.2)
     if not mobile:
         hover_shared_block(driver)
     full = driver.execute_script("return document.documentElement.scrollHeight")
@@ -117,7 +122,8 @@ def main() -> int:
     server = uvicorn.Server(
         uvicorn.Config(build_app(AsyncEngine(engine), ServerSettings()), port=args.port, log_level="warning")
     )
-    threading.Thread(target=server.run, daemon=True).start()
+    server_thread = threading.Thread(target=server.run, daemon=True)
+    server_thread.start()
     while not server.started:
         time.sleep(0.1)
     stop = threading.Event()
@@ -142,6 +148,7 @@ def main() -> int:
             driver.quit()
             stop.set()
             server.should_exit = True
+            server_thread.join(60)  # the lifespan's shutdown must finish before the interpreter does
     return 0
 
 
