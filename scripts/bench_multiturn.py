@@ -13,8 +13,9 @@ Backends:
   router (`kvpager.api.replicas.policy.rank` over each engine's KV-event view) — what the routing
   and the shared store save, without Ray's own overhead. `kv-aware` uses a Redis/Valkey store
   (`--kv-cache-remote URL`, or a `redis-server`/`valkey-server` started here on a free port).
-- `http`: two running endpoints (`--url-kv-aware`, `--url-round-robin`, e.g. `kvpager serve
-  --replicas 2 ...` deployments); the same workload is sent to each.
+- `http`: two running endpoints (`--url-kv-aware`, `--url-baseline`, e.g. `kvpager serve --replicas 2
+  --kv-cache-remote URL` and `kvpager serve --replicas 2 --replica-router power-of-two`); the same
+  workload is sent to each.
 
     python scripts/bench_multiturn.py --conversations 32 --turns 6
     python scripts/bench_multiturn.py --conversations 2 --turns 2 --system-tokens 32   # smoke run
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--kv-cache-remote", default=None, help="store for kv-aware (default: start one here)")
     p.add_argument("--url-kv-aware", default=None)
-    p.add_argument("--url-round-robin", default=None)
+    p.add_argument("--url-baseline", default=None)
     p.add_argument("--served-model-name", default="demo")
     args = p.parse_args(argv)
 
@@ -224,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     store = None
     try:
         if args.backend == "http":
-            if not (args.url_kv_aware and args.url_round_robin):
-                p.error("--backend http needs --url-kv-aware and --url-round-robin")
+            if not (args.url_kv_aware and args.url_baseline):
+                p.error("--backend http needs --url-kv-aware and --url-baseline")
             system, users = workload(args, vocab=4096)
-            for name, url in (("kv-aware", args.url_kv_aware), ("round-robin", args.url_round_robin)):
+            for name, url in (("kv-aware", args.url_kv_aware), ("baseline", args.url_baseline)):
                 runner = http_runner(url, args.served_model_name)
                 results.append(asyncio.run(run_setting(name, runner, system, users, args.max_tokens)))
         else:

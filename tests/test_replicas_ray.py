@@ -6,6 +6,7 @@ and streaming, abort on disconnect and the merged /metrics work through the ingr
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import time
@@ -28,6 +29,11 @@ ENGINE = {"device": "cpu", "num_threads": 1, "block_size": BLOCK, "kv_cache_memo
 CONFIG = EngineConfig(**ENGINE)
 
 
+# NOTE: Ray Serve's default proxy ready/health deadlines (5 s / 10 s) are missed on a loaded 2-core
+# machine; the local Ray processes inherit these from the environment of the test process.
+RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
 def start_ray() -> Any:
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvpager[ray]')")
     try:
@@ -43,6 +49,8 @@ def start_ray() -> Any:
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
+    saved = {key: os.environ.get(key) for key in RAY_ENV}
+    os.environ.update(RAY_ENV)
     ray = start_ray()
     from ray import serve
 
@@ -59,6 +67,11 @@ def endpoint() -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +118,8 @@ def test_streaming_abort_and_metrics_through_the_ingress(endpoint: str) -> None:
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == full
+    page = httpx.get(f"{endpoint}/metrics", timeout=60).text
+    assert len(set(re.findall(r'replica="([^"]+)"', page))) == 2, "every replica's metrics, labelled"
     with httpx.stream(
         "POST", f"{endpoint}/v1/completions", json={**body, "max_tokens": 900, "stream": True}, timeout=120
     ) as resp:
@@ -118,4 +133,3 @@ def test_streaming_abort_and_metrics_through_the_ingress(endpoint: str) -> None:
             break
         time.sleep(0.5)
     assert running is not None and len(running) == 2 and sum(running) == 0, "the abandoned stream is still running"
-    assert len(set(re.findall(r'replica="([^"]+)"', page))) == 2

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="N engine replicas on Ray Serve behind this endpoint, routed by prefix-cache state "
         "(needs pip install 'kvpager[ray]'; joins $RAY_ADDRESS when set)",
     )
+    p.add_argument(
+        "--replica-router",
+        default="kv-aware",
+        choices=["kv-aware", "power-of-two"],
+        help="with --replicas: kv-aware (prefix-cache state + queue length) or Ray Serve's default",
+    )
     add_kv_transfer_args(p)
     add_engine_args(p)
     return p
@@ -134,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             from kvpager.api.replicas.launch import serve_replicas
 
             return serve_replicas(
-                config, settings, args.replicas, args.host, args.port, max_waiting=args.max_waiting_requests
+                config,
+                settings,
+                args.replicas,
+                args.host,
+                args.port,
+                max_waiting=args.max_waiting_requests,
+                router=args.replica_router,
             )
         return _serve(args, config, settings)
     except (ValueError, FileNotFoundError) as exc:

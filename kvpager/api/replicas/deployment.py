@@ -29,10 +29,11 @@ from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import hash_prompt_blocks
 from kvpager.core.kv_events import KVEventLog
 
-logger = logging.getLogger("kvpager.api.replicas")
+logger = logging.getLogger("ray.serve")  # NOTE: Ray Serve writes this logger to the replica logs
 
 REPLICA_HEADER = b"x-kvpager-replica"
 SNAPSHOT_TIMEOUT_S = 5.0
+METRICS_TIMEOUT_S = 10.0
 
 
 class EngineReplica:
@@ -59,16 +60,22 @@ class EngineReplica:
 
     async def handle(self, request: HttpRequest, kv_chain: list[str] | None = None) -> AsyncIterator[Any]:
         """Serve one HTTP request through the app: yields the `ResponseStart`, then body chunks."""
-        async for item in stream_asgi(self.app, request):
-            if isinstance(item, ResponseStart):
-                item = ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self.replica_id.encode())])
-            yield item
+        try:
+            async for item in stream_asgi(self.app, request):
+                if isinstance(item, ResponseStart):
+                    item = ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self.replica_id.encode())])
+                yield item
+        finally:
+            logger.debug("kvpager replica %s: request %s %s ended", self.replica_id, request.method, request.path)
 
     async def metrics_page(self, metrics_slot: int) -> tuple[str, str]:
         """(replica id, this replica's Prometheus page)."""
         request = HttpRequest("GET", "/metrics", b"", [], b"")
-        chunks = [item async for item in stream_asgi(self.app, request) if isinstance(item, bytes)]
-        return self.replica_id, b"".join(chunks).decode("utf-8")
+
+        async def render() -> bytes:
+            return b"".join([item async for item in stream_asgi(self.app, request) if isinstance(item, bytes)])
+
+        return self.replica_id, (await asyncio.wait_for(render(), METRICS_TIMEOUT_S)).decode("utf-8")
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this: the held block hashes (short hex) and the queue length."""
@@ -165,10 +172,21 @@ class Ingress:
         return []
 
     async def _metrics(self) -> str:
-        pages = await asyncio.gather(
-            *(self.engine.metrics_page.remote(metrics_slot=i) for i in range(self.num_replicas))
+        """Every replica's page, merged; a replica that does not answer in time is left out (and logged)."""
+        calls = [self.engine.metrics_page.remote(metrics_slot=i) for i in range(self.num_replicas)]
+        done, pending = await asyncio.wait(
+            [asyncio.ensure_future(_result(c)) for c in calls], timeout=METRICS_TIMEOUT_S
         )
+        for task in pending:
+            task.cancel()
+        pages = [task.result() for task in done if task.exception() is None]
+        if len(pages) < self.num_replicas:
+            logger.warning("/metrics: %d of %d replicas answered", len(pages), self.num_replicas)
         return merge_pages(sorted(set(pages)))
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 def _text(content: Any) -> str:

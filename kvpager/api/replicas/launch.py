@@ -15,6 +15,7 @@ from kvpager.core.config import EngineConfig
 RAY_MISSING = "--replicas needs Ray Serve, which is not installed: pip install 'kvpager[ray]'"
 ROUTING_STATS_PERIOD_S = 0.5
 ENGINE_DEPLOYMENT = "KVPagerEngine"
+ROUTERS = ("kv-aware", "power-of-two")
 INGRESS_DEPLOYMENT = "KVPagerIngress"
 
 
@@ -36,10 +37,13 @@ def build_application(
     cpus_per_replica: float = 1.0,
     max_imbalance: int = 4,
     routing_stats_period_s: float = ROUTING_STATS_PERIOD_S,
+    router: str = "kv-aware",
 ) -> Any:
     """The bound Ray Serve application: an ingress in front of `num_replicas` engine replicas."""
     if num_replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"--replica-router must be one of {', '.join(ROUTERS)}; got {router!r}")
     require_ray()
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -54,6 +58,8 @@ def build_application(
         "request_routing_stats_period_s": routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * routing_stats_period_s),
     }
+    if router == "power-of-two":  # NOTE: Ray Serve's default router (the baseline for benchmarks)
+        router_config = {"request_routing_stats_period_s": routing_stats_period_s}
     deployment: Any = serve.deployment
     engine = deployment(
         EngineReplica,

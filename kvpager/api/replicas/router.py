@@ -21,7 +21,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from kvpager.api.replicas.policy import DEFAULT_MAX_IMBALANCE, ReplicaView, matched, rank
 
-logger = logging.getLogger("kvpager.api.replicas.router")
+logger = logging.getLogger("ray.serve")  # NOTE: Ray Serve writes this logger to the process's Serve log
 
 MAX_DECISIONS = 1024
 
