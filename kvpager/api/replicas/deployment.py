@@ -134,11 +134,10 @@ class Ingress:
         headers = {k.decode(): v.decode() for k, v in start.headers if k.lower() != b"content-length"}
 
         async def body_chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in stream:
-                    yield chunk
-            finally:
-                stream.cancel()  # NOTE: the client left (or the body ended): the replica aborts its request
+            # NOTE: no explicit `stream.cancel()` here (it blocks on the handle's router loop): when
+            # the client leaves, Ray Serve cancels this request and, with it, the replica's stream.
+            async for chunk in stream:
+                yield chunk
 
         return StreamingResponse(body_chunks(), status_code=start.status, headers=headers)
 
@@ -172,16 +171,21 @@ class Ingress:
         return []
 
     async def _metrics(self) -> str:
-        """Every replica's page, merged; a replica that does not answer in time is left out (and logged)."""
-        calls = [self.engine.metrics_page.remote(metrics_slot=i) for i in range(self.num_replicas)]
-        done, pending = await asyncio.wait(
-            [asyncio.ensure_future(_result(c)) for c in calls], timeout=METRICS_TIMEOUT_S
-        )
-        for task in pending:
-            task.cancel()
-        pages = [task.result() for task in done if task.exception() is None]
-        if len(pages) < self.num_replicas:
-            logger.warning("/metrics: %d of %d replicas answered", len(pages), self.num_replicas)
+        """Every replica's page, merged; a replica that does not answer in time is left out (and logged).
+
+        NOTE: one call at a time: concurrent handle calls made while serving one HTTP request can share
+        the request's routing identity in Ray Serve, and then only one of them is routed.
+        """
+        pages = []
+        for slot in range(self.num_replicas):
+            try:
+                page = await asyncio.wait_for(
+                    _result(self.engine.metrics_page.remote(metrics_slot=slot)), METRICS_TIMEOUT_S
+                )
+            except Exception as error:  # noqa: BLE001  # a slow or dead replica must not break /metrics
+                logger.warning("/metrics: replica slot %d did not answer: %r", slot, error)
+                continue
+            pages.append(page)
         return merge_pages(sorted(set(pages)))
 
 
