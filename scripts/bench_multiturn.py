@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default="demo")
     args = p.parse_args(argv)
 
-    from kvpager.cli.engine_args import parse_bytes
+    from kvpager.engine.args import parse_bytes
 
     base = {
         "model": args.model,

@@ -191,7 +191,7 @@ def test_remote_config_is_validated() -> None:
         EngineConfig(kv_cache_remote="redis://h:1", enable_prefix_caching=False)
     import argparse
 
-    from kvpager.cli.engine_args import add_engine_args, config_from_args
+    from kvpager.engine.args import add_engine_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
