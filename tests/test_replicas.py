@@ -117,3 +117,14 @@ def test_metrics_pages_merge_with_a_replica_label() -> None:
     assert merged.count("# TYPE x counter") == 1
     assert 'x_total{replica="r1",model_name="m"} 3.0' in merged
     assert 'x_total{replica="r2",model_name="m"} 4.0' in merged
+
+
+def test_replicas_flag_says_how_to_install_ray_when_it_is_missing(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import sys
+
+    from kvpager.cli.serve import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # NOTE: makes `import ray` fail as if not installed
+    assert main(["--replicas", "2", "--device", "cpu"]) == 2
+    assert "pip install 'kvpager[ray]'" in capsys.readouterr().err
+    assert main(["--replicas", "0"]) == 2
