@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 # The whole package (torch-free core included) is type-checked with mypy on every test run.
 MYPY_TARGETS := kvpager
 
-.PHONY: install serve generate test lint browser-deps
+.PHONY: install serve generate test lint system-deps
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,plot,zstd]'
+	$(BIN)/pip install --quiet -e '.[test,plot,zstd,remote,ray]'
 	touch $@
 
 serve: install
@@ -25,13 +25,16 @@ lint: install
 	$(BIN)/ruff format --check kvpager tests scripts
 	$(BIN)/mypy $(MYPY_TARGETS)
 
-# The /kv page's browser test drives Debian's chromium with chromium-driver (no browser download).
-# Installed when missing and we may (root with apt-get); otherwise that one test skips, saying why.
-browser-deps:
-	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+# Debian packages the tests use, installed when missing and we may (root with apt-get): chromium and
+# chromium-driver for the /kv page's browser test (no browser download), a Redis-protocol server for
+# the shared KV store tests. Without them those tests skip, saying why.
+SYSTEM_PACKAGES := chromium chromium-driver redis-server
+system-deps:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
+	    { command -v valkey-server >/dev/null || command -v redis-server >/dev/null; }; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
-	else echo "note: chromium + chromium-driver missing (apt-get install -y chromium chromium-driver); the /kv browser test will skip"; fi
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); \
+	else echo "note: missing some of $(SYSTEM_PACKAGES) (apt-get install -y $(SYSTEM_PACKAGES)); the browser and KV store tests will skip"; fi
 
-test: lint browser-deps
+test: lint system-deps
 	$(BIN)/python -m pytest -q

@@ -51,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="503 + Retry-After when this many requests wait (default: unbounded)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="N engine replicas on Ray Serve behind this endpoint, routed by prefix-cache state "
+        "(needs pip install 'kvpager[ray]'; joins $RAY_ADDRESS when set)",
+    )
+    p.add_argument(
+        "--replica-router",
+        default="kv-aware",
+        choices=["kv-aware", "power-of-two"],
+        help="with --replicas: kv-aware (prefix-cache state + queue length) or Ray Serve's default",
+    )
     add_kv_transfer_args(p)
     add_engine_args(p)
     return p
@@ -123,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+        if args.replicas is not None:
+            from kvpager.api.replicas.launch import serve_replicas
+
+            return serve_replicas(
+                config,
+                settings,
+                args.replicas,
+                args.host,
+                args.port,
+                max_waiting=args.max_waiting_requests,
+                router=args.replica_router,
+            )
         return _serve(args, config, settings)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvpager serve: error: {exc}", file=sys.stderr)

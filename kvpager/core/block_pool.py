@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvpager.core.hashing import BlockHash
+from kvpager.core.kv_events import BlockRemoved, BlockStored, KVEventListener
 
 # Called with (block_id, block_hash) just before a cached block's hash is dropped for reuse, so a
 # KV tier can copy the block's bytes out first.
@@ -90,6 +91,11 @@ class BlockPool:
         self.evictions = 0
         self.queries = 0
         self.hits = 0
+        self._listeners: list[KVEventListener] = []
+
+    def add_listener(self, listener: KVEventListener) -> None:
+        """Call `listener` with a `BlockStored`/`BlockRemoved` event for every hash cached or evicted."""
+        self._listeners.append(listener)
 
     @property
     def num_free_blocks(self) -> int:
@@ -182,6 +188,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._hash_to_block_id[block_hash] = block_id
+        for listener in self._listeners:
+            listener(BlockStored((block_hash,), (block_id,)))
         return True
 
     def pin(self, block_ids: Sequence[int]) -> None:
@@ -232,5 +240,7 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(block.block_id, block.block_hash)
         del self._hash_to_block_id[block.block_hash]
+        for listener in self._listeners:
+            listener(BlockRemoved((block.block_hash,)))
         block.block_hash = None
         self.evictions += 1

@@ -5,6 +5,7 @@ Torch-free on purpose: the planner, the scheduler and the CLI read it without im
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass
 
 DTYPE_BYTES: dict[str, int] = {
@@ -67,6 +68,8 @@ class EngineConfig:
     kv_cache_dir_max_bytes: int | None = None  # None: DEFAULT_KV_CACHE_DIR_MAX_BYTES
     kv_codec: str = "lossless"  # codec of host/disk tier blocks (lossy ones are opt-in)
     kv_packs: tuple[str, ...] = ()  # KV pack files pinned in the prefix cache at start
+    kv_cache_remote: str | None = None  # redis://HOST:PORT of a Redis/Valkey store shared by replicas; None: off
+    kv_cache_remote_timeout: float = 1.0  # seconds per store call; a slower store is a miss (recompute)
 
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
@@ -128,7 +131,13 @@ class EngineConfig:
             isinstance(self.kv_packs, tuple) and all(isinstance(p, str) and p for p in self.kv_packs),
             f"kv_packs must be a tuple of file paths, got {self.kv_packs!r}",
         )
-        uses_cache = bool(self.kv_packs) or self.host_kv_cache_memory is not None or self.kv_cache_dir is not None
+        _check_remote(self.kv_cache_remote, self.kv_cache_remote_timeout)
+        uses_cache = (
+            bool(self.kv_packs)
+            or self.host_kv_cache_memory is not None
+            or self.kv_cache_dir is not None
+            or self.kv_cache_remote is not None
+        )
         _check(
             self.enable_prefix_caching or not uses_cache,
             "KV tiers and KV packs need prefix caching; drop --no-enable-prefix-caching or the tier/pack flags",
@@ -142,6 +151,21 @@ class EngineConfig:
     def resolved_kv_cache_dir_max_bytes(self) -> int:
         """The disk tier's size bound in bytes (the default when unset)."""
         return self.kv_cache_dir_max_bytes or DEFAULT_KV_CACHE_DIR_MAX_BYTES
+
+
+def _check_remote(url: str | None, timeout_s: float) -> None:
+    _check(timeout_s > 0, f"kv_cache_remote_timeout must be > 0 seconds, got {timeout_s}")
+    if url is None:
+        return
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parsed.port is None or parsed.port > 0
+    except ValueError:
+        port_ok = False
+    _check(
+        parsed.scheme in ("redis", "rediss") and bool(parsed.hostname) and port_ok,
+        f"--kv-cache-remote must look like redis://HOST:PORT (rediss:// for TLS), got {url!r}",
+    )
 
 
 def _check(ok: bool, message: str) -> None:

@@ -85,6 +85,18 @@ def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
         "--kv-codec", default="lossless", choices=list(KV_CODECS), help="tier block codec (lossy ones are opt-in)"
     )
     g.add_argument(
+        "--kv-cache-remote",
+        default=None,
+        metavar="redis://HOST:PORT",
+        help="shared Redis/Valkey KV store below host and disk (bound it with maxmemory + allkeys-lru)",
+    )
+    g.add_argument(
+        "--kv-cache-remote-timeout",
+        type=float,
+        default=1.0,
+        help="seconds per KV store call; a store that is down or slower is a miss (default 1.0)",
+    )
+    g.add_argument(
         "--kv-pack", action="append", default=None, dest="kv_packs", help="KV pack pinned at start (repeatable)"
     )
 
@@ -114,4 +126,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dir_max_bytes=args.kv_cache_dir_max_bytes,
         kv_codec=args.kv_codec,
         kv_packs=tuple(args.kv_packs or ()),
+        kv_cache_remote=args.kv_cache_remote,
+        kv_cache_remote_timeout=args.kv_cache_remote_timeout,
     )

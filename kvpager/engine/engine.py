@@ -23,6 +23,7 @@ from kvpager.engine.loading import LoadedModel, load, log_pool
 from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
 from kvpager.kvstore.pack import ModelFacts, PackExpectation
+from kvpager.kvstore.remote import RemotePublisher
 from kvpager.worker.runner import ModelRunner
 
 logger = logging.getLogger("kvpager")
@@ -82,6 +83,11 @@ class Engine:
             hash_seed=lm.fingerprint,
             store=self.kv_store,
         )
+        # NOTE: with a shared store, each block is written there as soon as its forward ran (not only
+        # on eviction), so other replicas hit it while it is still on this device.
+        self.kv_publisher = None
+        if tiers is not None and tiers.remote is not None:
+            self.kv_publisher = RemotePublisher(tiers.remote, self.kv_manager.block_pool, self.runner)
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -161,6 +167,8 @@ class Engine:
         if not sched_out.scheduled:
             return []
         sampled = self.runner.execute(sched_out)
+        if self.kv_publisher is not None:
+            self.kv_publisher.flush()
         now = time.monotonic()
         self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
         changed: dict[str, None] = {}

@@ -19,6 +19,7 @@ import torch
 from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.codec import get_codec
+from kvpager.kvstore.remote import RemoteTier
 from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers, TierStats
 
 
@@ -51,6 +52,7 @@ class KVTierStats:
     host: TierStats | None
     disk: TierStats | None
     device_evictions: int
+    remote: TierStats | None = None
     offloaded: MoveCounters = field(default_factory=MoveCounters)
     restored: MoveCounters = field(default_factory=MoveCounters)
     exported: MoveCounters = field(default_factory=MoveCounters)
@@ -60,7 +62,7 @@ class KVTierStats:
     def as_dict(self) -> dict[str, float]:
         """Flat `{name: value}` (e.g. `host_hits`, `disk_skipped`, `restored_seconds`) for metrics."""
         flat: dict[str, float] = {"device_evictions": self.device_evictions, "pinned_blocks": self.pinned_blocks}
-        for tier_name, tier in (("host", self.host), ("disk", self.disk)):
+        for tier_name, tier in (("host", self.host), ("disk", self.disk), ("remote", self.remote)):
             if tier is not None:
                 flat.update({f"{tier_name}_{key}": value for key, value in asdict(tier).items()})
         for move_name in ("offloaded", "restored", "exported", "imported"):
@@ -71,7 +73,7 @@ class KVTierStats:
     def summary(self) -> str:
         """One line for benchmark output."""
         parts = [f"device evictions {self.device_evictions}"]
-        for name, tier in (("host", self.host), ("disk", self.disk)):
+        for name, tier in (("host", self.host), ("disk", self.disk), ("remote", self.remote)):
             if tier is not None:
                 parts.append(
                     f"{name} {tier.hits} hits/{tier.misses} misses, {tier.num_blocks} blocks "
@@ -86,15 +88,18 @@ class KVTierStats:
 
 
 def build_tiers(config: EngineConfig, fingerprint: bytes) -> KVTiers | None:
-    """The host and/or disk tiers the config asks for, or None when it asks for neither."""
-    if config.host_kv_cache_memory is None and config.kv_cache_dir is None:
+    """The host, disk and/or remote tiers the config asks for, or None when it asks for none."""
+    if config.host_kv_cache_memory is None and config.kv_cache_dir is None and config.kv_cache_remote is None:
         return None
     codec = get_codec(config.kv_codec)
     host = HostTier(config.host_kv_cache_memory, codec) if config.host_kv_cache_memory is not None else None
     disk = None
     if config.kv_cache_dir is not None:
         disk = DiskTier(config.kv_cache_dir, config.resolved_kv_cache_dir_max_bytes, fingerprint, codec)
-    return KVTiers(host, disk)
+    remote = None
+    if config.kv_cache_remote is not None:
+        remote = RemoteTier.from_url(config.kv_cache_remote, fingerprint, codec, config.kv_cache_remote_timeout)
+    return KVTiers(host, disk, remote)
 
 
 class TieredBlockStore:
@@ -144,6 +149,7 @@ class TieredBlockStore:
             host=self.tiers.host.stats if self.tiers.host is not None else None,
             disk=self.tiers.disk.stats if self.tiers.disk is not None else None,
             device_evictions=device_evictions,
+            remote=self.tiers.remote.stats if self.tiers.remote is not None else None,
             offloaded=MoveCounters(**asdict(self.offloaded)),
             restored=MoveCounters(**asdict(self.restored)),
         )

@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.codec import Codec, Device, get_codec
 from kvpager.kvstore.records import EncodedBlock, RecordError, decode_record, encode_record
 from kvpager.model.dtypes import dtype_from_name, dtype_name
+
+if TYPE_CHECKING:
+    from kvpager.kvstore.remote import RemoteTier
 
 logger = logging.getLogger("kvpager.kvstore.tiers")
 
@@ -344,19 +348,28 @@ def _hash_from_name(path: Path) -> BlockHash | None:
 
 
 class KVTiers:
-    """Host and/or disk tiers behind two calls: `offload` (device eviction) and `lookup` (prefix miss)."""
+    """Host, disk and/or remote tiers behind two calls: `offload` (device eviction) and `lookup` (prefix miss).
 
-    def __init__(self, host: HostTier | None, disk: DiskTier | None) -> None:
+    The remote tier (`remote.py`, shared by replicas) sits below disk: lookups reach it last, and a
+    device eviction is also written through to it when the store does not hold the block yet.
+    """
+
+    def __init__(self, host: HostTier | None, disk: DiskTier | None, remote: RemoteTier | None = None) -> None:
         self.host = host
         self.disk = disk
+        self.remote = remote
 
     def contains(self, block_hash: BlockHash) -> bool:
-        return (self.host is not None and block_hash in self.host) or (
-            self.disk is not None and block_hash in self.disk
+        return (
+            (self.host is not None and block_hash in self.host)
+            or (self.disk is not None and block_hash in self.disk)
+            or (self.remote is not None and self.remote.contains(block_hash))
         )
 
     def offload(self, block_hash: BlockHash, block: torch.Tensor) -> None:
         """Keep a block the device pool is evicting: host first, spilling host evictions to disk."""
+        if self.remote is not None:
+            self.remote.put(block_hash, block)  # NOTE: a no-op for blocks the store is known to hold
         if self.host is None:
             if self.disk is not None:
                 self.disk.put(block_hash, block)
@@ -364,14 +377,16 @@ class KVTiers:
         self._spill(self.host.put(block_hash, block))
 
     def lookup(self, block_hash: BlockHash, device: Device = "cpu") -> torch.Tensor | None:
-        """The block from the host tier, else from disk (then promoted to host), else None."""
+        """The block from the host tier, else disk, else remote (disk/remote hits are promoted to host)."""
         if self.host is not None:
             block = self.host.get(block_hash, device)
             if block is not None:
                 return block
-        if self.disk is None:
-            return None
-        loaded = self.disk.load(block_hash, device)
+        loaded = None
+        if self.disk is not None:
+            loaded = self.disk.load(block_hash, device)
+        if loaded is None and self.remote is not None:
+            loaded = self.remote.load(block_hash, device)
         if loaded is None:
             return None
         block, encoded = loaded

@@ -1,0 +1,90 @@
+"""`kvpager serve --replicas N`: the engine deployment, its router and the ingress on Ray Serve.
+
+Ray is optional (`pip install 'kvpager[ray]'`). With `RAY_ADDRESS` set the app joins that cluster
+(replicas then spread over its machines); otherwise a local Ray instance is started. The same
+application is what `serve run` would deploy: `build_application(...)` returns the bound app.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpager.api.server.app import ServerSettings
+from kvpager.core.config import EngineConfig
+
+RAY_MISSING = "--replicas needs Ray Serve, which is not installed: pip install 'kvpager[ray]'"
+ROUTING_STATS_PERIOD_S = 0.5
+ENGINE_DEPLOYMENT = "KVPagerEngine"
+ROUTERS = ("kv-aware", "power-of-two")
+INGRESS_DEPLOYMENT = "KVPagerIngress"
+
+
+def require_ray() -> None:
+    """ValueError with the install command when Ray Serve cannot be imported."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError as error:
+        raise ValueError(RAY_MISSING) from error
+
+
+def build_application(
+    config: EngineConfig,
+    settings: ServerSettings,
+    num_replicas: int,
+    *,
+    max_waiting: int | None = None,
+    cpus_per_replica: float = 1.0,
+    max_imbalance: int = 4,
+    routing_stats_period_s: float = ROUTING_STATS_PERIOD_S,
+    router: str = "kv-aware",
+) -> Any:
+    """The bound Ray Serve application: an ingress in front of `num_replicas` engine replicas."""
+    if num_replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"--replica-router must be one of {', '.join(ROUTERS)}; got {router!r}")
+    require_ray()
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvpager.api.replicas.deployment import EngineReplica, Ingress
+    from kvpager.api.replicas.router import KVAwareRequestRouter
+    from kvpager.engine.paths import resolve_model_dir
+
+    router_config: dict[str, Any] = {
+        "request_router_class": KVAwareRequestRouter,
+        "request_router_kwargs": {"max_imbalance": max_imbalance},
+        "request_routing_stats_period_s": routing_stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 4 * routing_stats_period_s),
+    }
+    if router == "power-of-two":  # NOTE: Ray Serve's default router (the baseline for benchmarks)
+        router_config = {"request_routing_stats_period_s": routing_stats_period_s}
+    deployment: Any = serve.deployment
+    engine = deployment(
+        EngineReplica,
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=num_replicas,
+        max_ongoing_requests=max(config.max_num_seqs, 1) + (max_waiting or 256),
+        ray_actor_options={"num_cpus": cpus_per_replica},
+        request_router_config=RequestRouterConfig(**router_config),
+        health_check_period_s=2.0,
+    )
+    ingress = deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=4096)
+    ingress = ingress.options(ray_actor_options={"num_cpus": 0})
+    tokenizer_dir = str(config.tokenizer or resolve_model_dir(config.model))
+    return ingress.bind(engine.bind(config, settings, max_waiting), num_replicas, tokenizer_dir, settings.chat_template)
+
+
+def serve_replicas(
+    config: EngineConfig, settings: ServerSettings, num_replicas: int, host: str, port: int, **options: Any
+) -> int:
+    """Start (or join) Ray, deploy the app on http://HOST:PORT and block until interrupted."""
+    app = build_application(config, settings, num_replicas, **options)
+    import ray
+    from ray import serve
+
+    ray.init(ignore_reinit_error=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name="kvpager", route_prefix="/", blocking=True)
+    return 0

@@ -1,0 +1,350 @@
+"""The remote KV tier: blocks in a Redis or Valkey server that every replica of a model shares.
+
+`--kv-cache-remote redis://HOST:PORT[/DB]` adds this tier below host and disk. A block is stored as
+the disk tier's checksummed record (`records.py`: fingerprint, hash, codec, shape, sha256) under the
+key `kvpager:v1:<fingerprint hex[:16]>:<block hash hex>`, encoded with the same `--kv-codec`, so a
+prefix computed on replica A is a verified hit on replica B, or on a replica started later.
+
+Writes: every block the device pool caches is written once its forward has run (`RemotePublisher`,
+after each step), and a device eviction writes any block the store does not have yet (write-through:
+e.g. one computed while the store was down). Reads: a prefix miss in the pool, host and disk asks the
+store. A record that fails its checks is deleted from the store and never loaded.
+
+Size: the store is bounded by the server's own eviction, not by kvpager: run it with `maxmemory` and
+`maxmemory-policy allkeys-lru` (checked at start; a warning when it is unbounded or does not evict).
+
+Failure: every call has a socket timeout (`--kv-cache-remote-timeout`). A store that is down or slow
+is a miss: the prefix is recomputed, the reason is logged once, and the tier stays off for
+`retry_interval_s` before the next call tries again. A request never fails because of the store.
+NOTE: not thread-safe, like the other tiers; the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from kvpager.core.block_pool import BlockPool
+from kvpager.core.hashing import BlockHash
+from kvpager.core.kv_events import BlockStored, KVEvent
+from kvpager.kvstore.codec import Codec, Device
+from kvpager.kvstore.records import EncodedBlock, RecordError, decode_record, encode_record
+from kvpager.kvstore.tiers import TierStats, decode_block, encode_block
+
+logger = logging.getLogger("kvpager.kvstore.remote")
+
+REMOTE_SCHEMES = ("redis", "rediss")
+KEY_PREFIX = "kvpager:v1:"
+DEFAULT_REMOTE_TIMEOUT_S = 1.0
+DEFAULT_RETRY_INTERVAL_S = 5.0
+KNOWN_CAPACITY = 1 << 16  # hashes remembered as present in the store (saves a round trip per check)
+STASH_CAPACITY = 64  # records fetched by `contains`, kept for the `load` that follows
+_FAILED = object()  # what `_call` returns when the store did not answer
+
+
+@dataclass
+class RemoteTierStats(TierStats):
+    """`TierStats` plus the store's availability: failed calls and calls skipped while it was down."""
+
+    errors: int = 0  # calls that failed (connection refused, timeout, server error)
+    unavailable: int = 0  # calls answered as a miss without trying, while the store was marked down
+    published: int = 0  # blocks written right after their forward (`RemotePublisher`)
+
+
+def check_remote_url(url: str) -> str:
+    """`url` if it names a Redis/Valkey server (redis://HOST:PORT[/DB], rediss:// for TLS); else ValueError."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in REMOTE_SCHEMES or not parsed.hostname:
+        raise ValueError(f"--kv-cache-remote must look like redis://HOST:PORT (or rediss:// for TLS), got {url!r}")
+    try:
+        parsed.port  # noqa: B018  # NOTE: urlsplit only checks the port when it is read
+    except ValueError as error:
+        raise ValueError(f"--kv-cache-remote {url!r}: {error}") from None
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.password is None:
+        return url
+    netloc = f"{parsed.username or ''}:***@{parsed.hostname}" + (f":{parsed.port}" if parsed.port else "")
+    return urllib.parse.urlunsplit(parsed._replace(netloc=netloc))
+
+
+def connect(url: str, timeout_s: float) -> Any:
+    """A redis-py client with `timeout_s` on connect and on every reply, and no retries of its own."""
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError as error:
+        raise ValueError("--kv-cache-remote needs the redis package: pip install 'kvpager[remote]'") from error
+    return redis.Redis.from_url(
+        check_remote_url(url),
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),  # NOTE: the tier's own back-off replaces redis-py's retries
+        health_check_interval=0,
+    )
+
+
+class RemoteTier:
+    """Blocks of one model (fingerprint) in a shared Redis/Valkey server; see the module docstring."""
+
+    def __init__(
+        self,
+        client: Any,
+        fingerprint: bytes,
+        codec: Codec,
+        *,
+        name: str = "remote",
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+    ) -> None:
+        if retry_interval_s < 0:
+            raise ValueError(f"retry_interval_s must be >= 0, got {retry_interval_s}")
+        self.client = client
+        self.fingerprint = fingerprint
+        self.codec = codec
+        self.name = name
+        self.retry_interval_s = retry_interval_s
+        self.prefix = f"{KEY_PREFIX}{fingerprint.hex()[:16]}:".encode()
+        self._stats = RemoteTierStats()
+        self._known: OrderedDict[BlockHash, None] = OrderedDict()
+        self._stash: OrderedDict[BlockHash, bytes] = OrderedDict()
+        self._down_since: float | None = None
+        self._down_reason: str | None = None
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        fingerprint: bytes,
+        codec: Codec,
+        timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+    ) -> RemoteTier:
+        """Connect lazily (the first call connects); the eviction policy is checked now when reachable."""
+        tier = cls(connect(url, timeout_s), fingerprint, codec, name=redact(url), retry_interval_s=retry_interval_s)
+        tier.check_eviction_policy()
+        return tier
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def stats(self) -> RemoteTierStats:
+        """A snapshot of the counters (`num_blocks`/`bytes_held` count this engine's writes)."""
+        return replace(self._stats)
+
+    @property
+    def available(self) -> bool:
+        """False while the store is marked down after a failed call (until the retry interval passes)."""
+        return self._down_since is None or time.monotonic() >= self._down_since + self.retry_interval_s
+
+    def knows(self, block_hash: BlockHash) -> bool:
+        """Whether this engine wrote or read `block_hash` recently (no round trip; may be stale)."""
+        return block_hash in self._known
+
+    def key(self, block_hash: BlockHash) -> bytes:
+        return self.prefix + block_hash.hex().encode()
+
+    # -- the tier protocol ----------------------------------------------------------------------
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether the store holds the block. An unknown hash is fetched now and kept for `get_encoded`."""
+        if block_hash in self._known:
+            return True
+        record = self._call("read", lambda: self.client.get(self.key(block_hash)), None)
+        if not isinstance(record, bytes):
+            return False
+        self._remember(block_hash)
+        self._stash[block_hash] = record
+        while len(self._stash) > STASH_CAPACITY:
+            self._stash.popitem(last=False)
+        return True
+
+    def put(self, block_hash: BlockHash, block: torch.Tensor) -> bool:
+        """Write `block` with this tier's codec unless the store is known to hold it; False when not written."""
+        if block_hash in self._known:
+            self._known.move_to_end(block_hash)
+            return True
+        if not self.available:
+            self._stats.unavailable += 1
+            return False
+        start = time.perf_counter()
+        encoded = encode_block(self.codec, block)
+        self._stats.save_seconds += time.perf_counter() - start
+        return self.put_encoded(block_hash, encoded)
+
+    def put_encoded(self, block_hash: BlockHash, encoded: EncodedBlock) -> bool:
+        """Write an encoded block as its checksummed record (SET NX: a held copy is never rewritten)."""
+        if block_hash in self._known:
+            return True
+        start = time.perf_counter()
+        record = encode_record(self.fingerprint, block_hash, encoded)
+        written = self._call("write", lambda: self.client.set(self.key(block_hash), record, nx=True), _FAILED)
+        if written is _FAILED:
+            return False
+        self._remember(block_hash)
+        if written:
+            self._stats.num_blocks += 1
+            self._stats.bytes_held += len(record)
+            self._stats.bytes_in += len(record)
+        self._stats.save_seconds += time.perf_counter() - start
+        return True
+
+    def get_encoded(self, block_hash: BlockHash) -> EncodedBlock | None:
+        """The verified encoded block, or None (a miss, a store that is down, or a bad record, now deleted)."""
+        start = time.perf_counter()
+        record = self._stash.pop(block_hash, None)
+        if record is None:
+            fetched = self._call("read", lambda: self.client.get(self.key(block_hash)), None)
+            record = fetched if isinstance(fetched, bytes) else None
+        if record is None:
+            self._known.pop(block_hash, None)  # NOTE: the server evicted it (LRU) or never had it
+            self._stats.misses += 1
+            return None
+        try:
+            encoded = decode_record(record, self.fingerprint, block_hash)
+        except RecordError as error:
+            self._reject(block_hash, str(error))
+            return None
+        self._remember(block_hash)
+        self._stats.hits += 1
+        self._stats.bytes_out += len(record)
+        self._stats.load_seconds += time.perf_counter() - start
+        return encoded
+
+    def load(self, block_hash: BlockHash, device: Device = "cpu") -> tuple[torch.Tensor, EncodedBlock] | None:
+        """The decoded, verified block on `device` and its encoded form, or None. Never raises."""
+        encoded = self.get_encoded(block_hash)
+        if encoded is None:
+            return None
+        start = time.perf_counter()
+        try:
+            block = decode_block(encoded, device)
+        except ValueError as error:
+            self._stats.hits -= 1
+            self._reject(block_hash, f"undecodable payload: {error}")
+            return None
+        self._stats.load_seconds += time.perf_counter() - start
+        return block, encoded
+
+    def get(self, block_hash: BlockHash, device: Device = "cpu") -> torch.Tensor | None:
+        loaded = self.load(block_hash, device)
+        return None if loaded is None else loaded[0]
+
+    # -- the server -----------------------------------------------------------------------------
+    def check_eviction_policy(self) -> str | None:
+        """A warning when the server is unbounded or does not evict (None when fine or not checkable)."""
+        config = self._call("CONFIG GET", lambda: self.client.config_get("maxmemory*"), None)
+        if not isinstance(config, dict):
+            return None
+        maxmemory = int(config.get("maxmemory", 0) or 0)
+        policy = str(config.get("maxmemory-policy", ""))
+        warning = None
+        if maxmemory == 0:
+            warning = "has no maxmemory: it will grow without bound"
+        elif not policy.startswith("allkeys-"):
+            warning = f"evicts with maxmemory-policy {policy}: writes fail once it is full"
+        if warning is not None:
+            logger.warning("KV store %s %s; run it with maxmemory and maxmemory-policy allkeys-lru", self.name, warning)
+        else:
+            logger.info("KV store %s: maxmemory %d bytes, policy %s", self.name, maxmemory, policy)
+        return warning
+
+    def _call(self, what: str, fn: Any, default: Any) -> Any:
+        """`fn()`, or `default` when the store is down, slow or refuses (the reason is logged)."""
+        import redis
+
+        if not self.available:
+            self._stats.unavailable += 1
+            return default
+        try:
+            result = fn()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
+            self._stats.errors += 1
+            self._mark_down(what, error)
+            return default
+        except redis.RedisError as error:  # the server answered with an error (e.g. OOM under noeviction)
+            self._stats.errors += 1
+            if what == "write":
+                self._stats.write_errors += 1
+            logger.warning("KV store %s refused a %s: %s", self.name, what, error)
+            return default
+        if self._down_reason is not None:
+            logger.info("KV store %s is reachable again", self.name)
+            self._down_reason = None
+        self._down_since = None
+        return result
+
+    def _mark_down(self, what: str, error: BaseException) -> None:
+        self._down_since = time.monotonic()
+        reason = f"{type(error).__name__}: {error}"
+        if self._down_reason is None:
+            logger.warning(
+                "KV store %s failed a %s (%s); prefixes are recomputed, next try in %g s",
+                self.name,
+                what,
+                reason,
+                self.retry_interval_s,
+            )
+        self._down_reason = reason
+
+    def _reject(self, block_hash: BlockHash, reason: str) -> None:
+        logger.warning("KV store %s: deleted bad record of block %s: %s", self.name, block_hash.hex()[:16], reason)
+        self._stats.skipped += 1
+        self._stats.misses += 1
+        self._known.pop(block_hash, None)
+        self._call("delete", lambda: self.client.delete(self.key(block_hash)), None)
+
+    def _remember(self, block_hash: BlockHash) -> None:
+        self._known[block_hash] = None
+        self._known.move_to_end(block_hash)
+        while len(self._known) > KNOWN_CAPACITY:
+            self._known.popitem(last=False)
+
+
+class BlockReader(Protocol):
+    """What the publisher reads device blocks with (the `ModelRunner`)."""
+
+    def read_block(self, block_id: int) -> torch.Tensor: ...
+
+
+class RemotePublisher:
+    """Writes each block the device pool caches to the remote tier once the step's forward wrote it.
+
+    The pool announces a cached block at allocation (`BlockStored`), before the forward; `flush()`
+    runs after the forward and writes those still cached under the same hash and not yet in the store.
+    While the store is down nothing is read or encoded: the blocks are dropped here, and the tier's
+    write-through on device eviction stores them later.
+    """
+
+    def __init__(self, remote: RemoteTier, pool: BlockPool, io: BlockReader) -> None:
+        self.remote = remote
+        self.pool = pool
+        self.io = io
+        self._pending: list[tuple[BlockHash, int]] = []
+        pool.add_listener(self._on_event)
+
+    def _on_event(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._pending.extend(zip(event.block_hashes, event.block_ids, strict=True))
+
+    def flush(self) -> int:
+        """Write the pending blocks; returns how many were written."""
+        pending, self._pending = self._pending, []
+        written = 0
+        for block_hash, block_id in pending:
+            if self.remote.knows(block_hash) or self.pool.get_cached_block(block_hash) != block_id:
+                continue
+            if not self.remote.available:
+                break
+            if self.remote.put(block_hash, self.io.read_block(block_id)):
+                written += 1
+        self.remote._stats.published += written
+        return written
