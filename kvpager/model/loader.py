@@ -1,4 +1,4 @@
-"""Build a CausalLM from a Hugging Face checkpoint directory (safetensors) or from config alone (dummy).
+"""Build a CausalLM from a Hugging Face checkpoint directory (safetensors), a GGUF model, or config alone (dummy).
 
 The module tree is created on the meta device (no init cost), the checkpoint's tensors are fused
 (q/k/v, gate/up), cast to the compute dtype, shape-checked and assigned.
@@ -6,6 +6,7 @@ The module tree is created on the meta device (no init cost), the checkpoint's t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +14,13 @@ import torch
 from safetensors import safe_open
 
 from kvpager.core.config import LOAD_FORMATS
+from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
+from kvpager.model.gguf_weights import read_gguf_state
 from kvpager.model.llama import CausalLM
-from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json
+from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json, spec_from_gguf
+
+logger = logging.getLogger("kvpager")
 
 DUMMY_STD = 0.02
 # NOTE: tensors older checkpoints carry that the model recomputes.
@@ -31,6 +36,7 @@ def load_model(
     seed: int = 0,
     kernel_backend: str = "auto",
     kv_dtype: torch.dtype | None = None,
+    gguf_model: GGUFModel | None = None,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
 
@@ -39,11 +45,17 @@ def load_model(
 
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
+    "auto"/"gguf" read a GGUF model when `model_dir` is a .gguf file or a directory holding one (or pass
+    the already opened `gguf_model`); quantized tensors are dequantized to `dtype` (logged per type).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
-    spec = load_model_spec(model_dir)
+    if gguf_model is None and (load_format == "gguf" or (load_format != "safetensors" and is_gguf_path(model_dir))):
+        gguf_model = open_gguf(model_dir)
+    if gguf_model is not None and load_format == "safetensors":
+        raise ValueError(f"{str(model_dir)!r} is a GGUF model; use load_format 'auto' or 'gguf', not 'safetensors'")
+    spec = spec_from_gguf(gguf_model) if gguf_model is not None else load_model_spec(model_dir)
     with torch.device("meta"):
         model = CausalLM(spec)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
@@ -51,6 +63,11 @@ def load_model(
         expected.pop("lm_head.weight")
     if load_format == "dummy":
         state = dummy_state_dict(expected, seed, dtype, device)
+    elif gguf_model is not None:
+        tensors, report = read_gguf_state(gguf_model, spec, dtype)
+        for line in report.lines():
+            logger.info("GGUF weights %s", line)
+        state = _fuse(spec, tensors, dtype, device)
     else:
         state = _fuse(spec, _read_checkpoint(Path(model_dir), spec), dtype, device)
     _check_state(state, expected, Path(model_dir))
