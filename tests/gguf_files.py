@@ -3,8 +3,8 @@
 `write_gguf(checkpoint_dir, out_file, tensor_type=...)` uses the `gguf` package's writer: the
 metadata keys and tensor names of llama.cpp's convert_hf_to_gguf.py, llama q/k rows permuted for
 llama.cpp's RoPE, Llama 3 rope scaling as the `rope_freqs.weight` tensor, 2-D weights in
-`tensor_type` (F32, F16, BF16, Q8_0, Q4_0: what gguf-py's quants module can encode) and 1-D tensors
-in F32. The tokenizer goes in as a gpt2 (byte-level BPE) vocabulary from the checkpoint's
+`tensor_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1: what gguf-py's quants module can encode; Q4_K, Q5_K,
+Q6_K and a Q4_K_M-like mix through tests/kquants.py) and 1-D tensors in F32. The tokenizer goes in as a gpt2 (byte-level BPE) vocabulary from the checkpoint's
 tokenizer.json, or with `sentencepiece=True` as a llama SentencePiece-style vocabulary (byte
 fallback, scores, no merges) trained here on a fixed text with Chinese in it.
 """
@@ -20,7 +20,9 @@ import numpy as np
 from safetensors.numpy import load_file
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3}
+FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15, "Q5_K": 17, "Q6_K": 18}
+# A Q4_K_M-like mix: llama.cpp keeps these (and the output) at 6 bits, the rest at 4.
+_Q4_K_M_SIX_BIT = ("attn_v.weight", "ffn_down.weight", "output.weight")
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -150,8 +152,14 @@ def _gguf_name(hf_name: str) -> str:
 
 def _add_tensor(writer: Any, name: str, value: np.ndarray, tensor_type: str) -> None:
     import gguf
+    from kquants import ENCODERS
 
-    if tensor_type == "F32":
+    if tensor_type == "Q4_K_M":
+        tensor_type = "Q6_K" if name.endswith(_Q4_K_M_SIX_BIT) else "Q4_K"
+    if tensor_type in ENCODERS:
+        raw, _ = ENCODERS[tensor_type](value)
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[tensor_type])
+    elif tensor_type == "F32":
         writer.add_tensor(name, value)
     elif tensor_type == "F16":
         writer.add_tensor(name, value.astype(np.float16))

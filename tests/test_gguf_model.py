@@ -33,6 +33,8 @@ CASES: dict[str, tuple[Callable[..., Path], dict[str, Any], bool]] = {
     "llama_gqa_sentencepiece": (make_llama_checkpoint, {}, True),
     "qwen2_bias_tied": (make_qwen2_checkpoint, {}, False),
     "qwen3_qk_norm": (make_qwen3_checkpoint, {"head_dim": 128}, False),
+    # K-quant blocks hold 256 values: every matrix row must be a multiple of 256 wide.
+    "llama_wide": (make_llama_checkpoint, {"hidden_size": 256, "intermediate_size": 512}, True),
 }
 # Measured on these models: kvpager and transformers compute on the same dequantized float32 values,
 # so the logits agree to fp32 rounding whatever the format (max |diff| seen < 1e-5).
@@ -100,6 +102,23 @@ def test_quantized_gguf_logits_equal_transformers_dequantized_model(
         )
     assert diff < ATOL
     assert agree == 1.0
+
+
+@pytest.mark.parametrize("tensor_type", ("Q4_K_M", "Q5_K", "Q6_K"))
+def test_k_quant_gguf_logits_equal_transformers_own_dequantizer(
+    files: Callable[..., Path], tensor_type: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """K-quant blocks from tests/kquants.py; transformers decodes them with its own torch dequantizer."""
+    path = files("llama_wide", tensor_type)
+    got = paged_logits(load_model(path, dtype=torch.float32, device="cpu"), PROMPT)
+    with torch.inference_mode():
+        ref = hf_gguf_model(path)(torch.tensor([PROMPT])).logits[0]
+        f32 = hf_gguf_model(files("llama_wide"))(torch.tensor([PROMPT])).logits[0]
+    diff = (got - ref).abs().max().item()
+    with capsys.disabled():
+        print(f"\n{tensor_type}: max |logit diff| vs transformers {diff:.2e}; the format's error vs F32 {(ref - f32).abs().max().item():.2e}")
+    assert diff < ATOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 def test_llama3_rope_scaling_from_rope_freqs_tensor_matches_transformers_checkpoint(tmp_path: Path) -> None:
