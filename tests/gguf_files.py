@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
-ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15, "Q5_K": 17, "Q6_K": 18}
 # A Q4_K_M-like mix: llama.cpp keeps these (and the output) at 6 bits, the rest at 4.
 _Q4_K_M_SIX_BIT = ("attn_v.weight", "ffn_down.weight", "output.weight")

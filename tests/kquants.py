@@ -85,7 +85,9 @@ def encode_q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q = np.clip(np.round(_safe_div(sub, step[:, :, None] + 0 * sub)), -32, 31).astype(np.int16)
     values = (step[:, :, None] * q).reshape(-1, QK_K)
     u = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # per half of 128: four rows of 32 (l, l+32, l+64, l+96)
-    ql = np.concatenate([(u[:, :, 0] & 0xF) | ((u[:, :, 2] & 0xF) << 4), (u[:, :, 1] & 0xF) | ((u[:, :, 3] & 0xF) << 4)], axis=2)
+    ql = np.concatenate(
+        [(u[:, :, 0] & 0xF) | ((u[:, :, 2] & 0xF) << 4), (u[:, :, 1] & 0xF) | ((u[:, :, 3] & 0xF) << 4)], axis=2
+    )
     qh = (u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4) | ((u[:, :, 3] >> 4) << 6)
     raw = np.concatenate(
         [ql.reshape(-1, 128), qh.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8), _f16(d)[:, None].view(np.uint8)],

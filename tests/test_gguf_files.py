@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -18,8 +19,6 @@ from gguf_files import write_gguf
 from kvpager.gguf import GGUFError, open_gguf
 from kvpager.model import load_model, load_model_spec
 from kvpager.planner import PlanOptions, load_model_facts, make_plan
-
-gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,9 @@ def test_unknown_tensor_type_id_is_refused(q8_file: Path, tmp_path: Path) -> Non
 
 def test_tensor_type_kvpager_cannot_load_is_named(checkpoint: Path, tmp_path: Path) -> None:
     path = write_gguf(checkpoint, tmp_path / "q4_1.gguf", tensor_type="Q4_1")
-    with pytest.raises(GGUFError, match=r"has ggml type Q4_1, which kvpager cannot load \(supported: F32, F16, BF16, Q8_0"):
+    with pytest.raises(
+        GGUFError, match=r"has ggml type Q4_1, which kvpager cannot load \(supported: F32, F16, BF16, Q8_0"
+    ):
         load_model(path, dtype=torch.float32, device="cpu")
 
 
@@ -100,7 +101,15 @@ def test_directory_with_two_models_and_missing_split_part_are_refused(q8_file: P
 
 def test_plan_reads_the_gguf_metadata_and_exact_tensor_bytes(checkpoint: Path, q8_file: Path) -> None:
     from_gguf, from_config = load_model_facts(str(q8_file)), load_model_facts(str(checkpoint))
-    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "tie_word_embeddings"):
+    for field in (
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "hidden_size",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert getattr(from_gguf, field) == getattr(from_config, field), field
     plan = make_plan(from_gguf, PlanOptions(), None, q8_file)
     assert plan.weight_bytes == sum(t.n_bytes for t in gguf.GGUFReader(q8_file).tensors)

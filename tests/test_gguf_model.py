@@ -17,14 +17,13 @@ import torch
 from checkpoints import make_llama_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
 from engine_helpers import run_greedy
 from gguf_files import write_gguf
+from test_model_equivalence import LLAMA3_ROPE, PagedHarness
 
 from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
 from kvpager.model import load_model
 from kvpager.model.llama import CausalLM
-from test_model_equivalence import LLAMA3_ROPE, PagedHarness
 
-pytest.importorskip("gguf")
 PROMPT = [1, 5, 9, 33, 77, 100, 200, 17, 3, 250]
 ATOL = 1e-4
 # Qwen3 with head_dim 128 (not hidden/heads): transformers' GGUF loader takes Qwen3's default head_dim
@@ -52,7 +51,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path
             checkpoints[case] = make(tmp_path_factory.mktemp(case), seed=len(checkpoints), **overrides)
         if (case, tensor_type) not in made:
             out = tmp_path_factory.mktemp(f"{case}_{tensor_type}") / f"model-{tensor_type}.gguf"
-            made[case, tensor_type] = write_gguf(checkpoints[case], out, tensor_type=tensor_type, sentencepiece=CASES[case][2])
+            made[case, tensor_type] = write_gguf(
+                checkpoints[case], out, tensor_type=tensor_type, sentencepiece=CASES[case][2]
+            )
         return made[case, tensor_type]
 
     get.checkpoints = checkpoints  # type: ignore[attr-defined]
@@ -116,7 +117,9 @@ def test_k_quant_gguf_logits_equal_transformers_own_dequantizer(
         f32 = hf_gguf_model(files("llama_wide"))(torch.tensor([PROMPT])).logits[0]
     diff = (got - ref).abs().max().item()
     with capsys.disabled():
-        print(f"\n{tensor_type}: max |logit diff| vs transformers {diff:.2e}; the format's error vs F32 {(ref - f32).abs().max().item():.2e}")
+        print(
+            f"\n{tensor_type}: max |logit diff| vs transformers {diff:.2e}; the format's error vs F32 {(ref - f32).abs().max().item():.2e}"
+        )
     assert diff < ATOL
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -141,7 +144,7 @@ def test_split_files_and_directory_load_the_same_model(files: Callable[..., Path
     single = files("qwen2_bias_tied")
     write_gguf(checkpoint, tmp_path / "split" / "model.gguf", split_max_tensors=8)
     parts = sorted((tmp_path / "split").glob("*.gguf"))
-    assert len(parts) > 1 and parts[0].name.endswith("-00001-of-%05d.gguf" % len(parts))
+    assert len(parts) > 1 and parts[0].name.endswith(f"-00001-of-{len(parts):05d}.gguf")
     expected = paged_logits(load_model(single, dtype=torch.float32, device="cpu"), PROMPT)
     for target in (parts[-1], tmp_path / "split", single.parent):
         got = paged_logits(load_model(target, dtype=torch.float32, device="cpu"), PROMPT)
@@ -160,9 +163,13 @@ def test_gguf_fingerprint_names_the_tensor_data(files: Callable[..., Path]) -> N
     assert fingerprint(q8)[0] != first
 
 
-def test_bfloat16_load_dequantizes_into_the_model_dtype(files: Callable[..., Path], caplog: pytest.LogCaptureFixture) -> None:
+def test_bfloat16_load_dequantizes_into_the_model_dtype(
+    files: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level("INFO", logger="kvpager"):
-        model = load_model(files("llama_gqa_sentencepiece", "Q8_0"), dtype=torch.bfloat16, device="cpu", kernel_backend="torch")
+        model = load_model(
+            files("llama_gqa_sentencepiece", "Q8_0"), dtype=torch.bfloat16, device="cpu", kernel_backend="torch"
+        )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert "Q8_0: 16 tensor(s) dequantized to bfloat16" in caplog.text
     assert "F32: 5 tensor(s) as bfloat16" in caplog.text

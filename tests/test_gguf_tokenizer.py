@@ -18,7 +18,6 @@ from kvpager.engine.loading import load_tokenizer
 from kvpager.gguf import open_gguf
 from kvpager.text.gguf_tokenizer import merges_from_scores, tokenizer_from_gguf
 
-pytest.importorskip("gguf")
 TEXT = (
     "The quick brown fox, 你好世界！缓存块 and KV cache.\n"
     "def main(x):\n    return x ** 2  # 平方\n\n\t tabs, 1234567 numbers and 'quotes' don't"

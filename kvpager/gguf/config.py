@@ -38,12 +38,16 @@ def hf_config_from_gguf(model: GGUFModel) -> dict[str, Any]:
     def required(key: str) -> int:
         value = meta.get(f"{arch}.{key}")
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise GGUFError(f"GGUF file {str(model.path)!r}: metadata {arch}.{key} must be a positive integer, got {value!r}")
+            raise GGUFError(
+                f"GGUF file {str(model.path)!r}: metadata {arch}.{key} must be a positive integer, got {value!r}"
+            )
         return value
 
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads
+    head_dim = (
+        meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads
+    )
     config: dict[str, Any] = {
         "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -101,7 +105,9 @@ def _rope_scaling(model: GGUFModel, arch: str, head_dim: int) -> dict[str, Any] 
     if kind == "linear":
         factor = meta.get(f"{arch}.rope.scaling.factor")
         if not isinstance(factor, float | int) or factor <= 0:
-            raise GGUFError(f"GGUF file {str(model.path)!r}: linear rope scaling without a positive {arch}.rope.scaling.factor")
+            raise GGUFError(
+                f"GGUF file {str(model.path)!r}: linear rope scaling without a positive {arch}.rope.scaling.factor"
+            )
         return {"rope_type": "linear", "factor": float(factor)}
     raise GGUFError(
         f"GGUF file {str(model.path)!r}: rope scaling type {kind!r} is not supported (supported: none, linear, "

@@ -134,7 +134,10 @@ def open_gguf(path: str | Path) -> GGUFModel:
 
 
 def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
-    from gguf import GGUFReader  # imported here: the package takes a second to import
+    try:
+        from gguf import GGUFReader  # imported here: the package takes a second to import
+    except ImportError as e:
+        raise GGUFError(f"reading GGUF file {str(file)!r} needs the 'gguf' package (pip install gguf==0.19.0)") from e
 
     if not _has_magic(file):
         with file.open("rb") as f:
@@ -158,9 +161,7 @@ def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         tensors.append(GGUFTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes), t.data))
-    metadata = {
-        name: f.contents() for name, f in reader.fields.items() if not name.startswith(_READER_FIELD_PREFIX)
-    }
+    metadata = {name: f.contents() for name, f in reader.fields.items() if not name.startswith(_READER_FIELD_PREFIX)}
     return metadata, tensors
 
 

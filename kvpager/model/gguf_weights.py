@@ -75,7 +75,9 @@ class GGUFLoadReport:
         return out
 
 
-def read_gguf_state(model: GGUFModel, spec: ModelSpec, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], GGUFLoadReport]:
+def read_gguf_state(
+    model: GGUFModel, spec: ModelSpec, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], GGUFLoadReport]:
     """Every tensor under the loader's checkpoint names (no "model." prefix), on CPU in `dtype`."""
     permute = model.architecture == "llama"
     state: dict[str, torch.Tensor] = {}

@@ -227,7 +227,9 @@ def load_model_facts(model: str) -> ModelFacts:
     path = Path(model).expanduser()
     if is_gguf_path(path):
         gguf_model = open_gguf(path)
-        return facts_from_config(hf_config_from_gguf(gguf_model), name=gguf_model.path.stem, source=str(gguf_model.path))
+        return facts_from_config(
+            hf_config_from_gguf(gguf_model), name=gguf_model.path.stem, source=str(gguf_model.path)
+        )
     if path.is_dir():
         return _facts_from_file(path / "config.json", name=path.name)
     if path.is_file():

@@ -122,7 +122,9 @@ def read_gguf_weights(path: Path) -> CheckpointWeights:
         for dim in tensor.shape:
             numel *= dim
         num_elements += numel
-    return CheckpointWeights(model.tensor_bytes(), num_elements, tuple(p.name for p in model.files), tuple(model.type_counts().items()))
+    return CheckpointWeights(
+        model.tensor_bytes(), num_elements, tuple(p.name for p in model.files), tuple(model.type_counts().items())
+    )
 
 
 def read_checkpoint_weights(model_dir: Path) -> CheckpointWeights | None:

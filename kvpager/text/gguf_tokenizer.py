@@ -29,9 +29,7 @@ SPIECE_SPACE = "\u2581"
 
 # Pre-tokenizer splits by llama.cpp's `tokenizer.ggml.pre` name (the regexes of the models' own
 # tokenizer.json files). "gpt2"/"default" use byte-level's built-in GPT-2 split.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -155,7 +153,9 @@ def _split_merge(merge: Any, model: GGUFModel) -> tuple[str, str]:
 def _add_special_tokens(hf: HFTokenizer, tokens: list[str], types: list[int]) -> None:
     """Control tokens match whole and are special; user-defined ones match whole and are plain text."""
     control = [
-        AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=False) if k == TOKEN_TYPE_CONTROL
+        AddedToken(t, normalized=False, special=True)
+        for t, k in zip(tokens, types, strict=False)
+        if k == TOKEN_TYPE_CONTROL
     ]
     user = [
         AddedToken(t, normalized=False, special=False)
