@@ -121,13 +121,14 @@ def tensor_to_torch(tensor: GGUFTensor, dtype: torch.dtype, model: GGUFModel) ->
         raw = np.ascontiguousarray(tensor.data).view(np.int16).reshape(tensor.shape)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).to(dtype)
     if kind in ("F32", "F16"):
-        values = np.asarray(tensor.data).reshape(tensor.shape)
+        # NOTE: np.array copies out of the read-only memory map (torch wants writable memory).
+        values = np.array(tensor.data, copy=True).reshape(tensor.shape)
     else:
         from gguf import GGMLQuantizationType, dequantize
 
+        # dequantize returns a new float32 array: no further copy
         values = dequantize(np.asarray(tensor.data), GGMLQuantizationType[kind]).reshape(tensor.shape)
-    # NOTE: np.array copies out of the read-only memory map (torch wants writable memory).
-    out = torch.from_numpy(np.array(values, copy=True))
+    out = torch.from_numpy(np.ascontiguousarray(values))
     return out if out.dtype == dtype else out.to(dtype)
 
 
