@@ -314,3 +314,80 @@ def test_metrics_parse_and_carry_the_vllm_names(server: ServerProcess) -> None:
     success = [s for s in families["vllm:request_success"].samples if s.name.endswith("_total")]
     assert any(s.labels["finished_reason"] == "length" and s.value >= 1 for s in success)
     assert all(s.labels["model_name"] == "demo" and s.labels["engine"] == "0" for s in success)
+
+
+MC_DOCS = [
+    {
+        "question": "In the beginning God created the heaven and the",
+        "choices": [" earth.", " sea.", " city."],
+        "answer": 0,
+    },
+    {"question": "And God said, Let there be", "choices": [" light:", " darkness:"], "answer": 0},
+]
+MC_TASK = """task: kvpager_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_local_completions_multiple_choice_matches_transformers(
+    server: ServerProcess, hf_model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-eval itself (remote tokenizer found through /tokenizer_info) on a local jsonl task."""
+    from transformers import AutoTokenizer
+
+    for var, value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "EMPTY"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (tmp_path / "task.yaml").write_text(MC_TASK.format(data=data))
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": "demo", "base_url": f"{server.url}/v1/completions", "num_concurrent": 1, "max_retries": 1},
+        tasks=["kvpager_tiny_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    assert results is not None
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR)
+    samples = results["samples"]["kvpager_tiny_mc"]
+    assert len(samples) == len(MC_DOCS)
+    for sample in samples:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"], strict=True):
+            ctx = tok.encode(context, add_special_tokens=False)
+            full = tok.encode(context + continuation, add_special_tokens=False)
+            want = sum(hf_logprobs(hf_model, full)[len(ctx) - 1 :])
+            assert abs(resp[0][0] - want) < 1e-4
+
+
+def test_langchain_structured_output_and_bound_tools_return_parsed_objects(server: ServerProcess) -> None:
+    from langchain_openai import ChatOpenAI
+
+    class GetWeather(BaseModel):
+        """Weather of a city."""
+
+        city: Literal["Jerusalem", "Babylon"]
+        days: int = Field(ge=1, le=7)
+
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model="demo", max_tokens=100, max_retries=0)  # type: ignore[arg-type]
+    verse = llm.with_structured_output(Verse).invoke("Quote a verse.")
+    assert isinstance(verse, Verse)
+    message = llm.bind_tools([GetWeather], tool_choice="required").invoke("Weather in Jerusalem?")
+    calls = message.tool_calls  # type: ignore[attr-defined]
+    assert calls and all(c["name"] == "GetWeather" for c in calls)  # parallel calls are allowed
+    for call in calls:
+        GetWeather.model_validate(call["args"])

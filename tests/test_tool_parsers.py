@@ -53,3 +53,11 @@ def test_unknown_fields_are_listed_with_their_path_and_result_changing_ones_refu
         refuse_unsupported(CompletionRequest.model_validate({"prompt": "x", "best_of": 3}))
     assert err.value.status == 400 and err.value.param == "best_of"
     refuse_unsupported(CompletionRequest.model_validate({"prompt": "x", "best_of": 1}))  # best_of == n
+
+
+def test_required_array_cut_short_keeps_its_complete_calls() -> None:
+    from kvpager.api.server.tools import complete_items
+
+    cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"x": 7}}, {"name": "GetWea'
+    assert [i["name"] for i in complete_items(cut)] == ["a", "b"]
+    assert complete_items('[{"na') == [] and complete_items("not an array") == []

@@ -15,8 +15,33 @@ from kvpager.api.server.errors import ApiError
 from kvpager.api.server.protocol import _SamplingFields
 from kvpager.core.sampling_params import StructuredOutputSpec
 
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else")
 
-def _schema_text(schema: str | dict[str, Any], param: str) -> str:
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists properties and does
+    not say otherwise (OpenAI's strict mode; tool arguments): a model cannot invent extra keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def schema_text(schema: str | dict[str, Any], param: str, strict: bool = False) -> str:
+    """The schema serialised (sorted keys: one cache entry per schema); 400 when it is not an object."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -24,7 +49,7 @@ def _schema_text(schema: str | dict[str, Any], param: str) -> str:
             raise ApiError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON schema object", param=param)
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(closed_objects(schema) if strict else schema, sort_keys=True)
 
 
 def structured_spec(req: _SamplingFields) -> StructuredOutputSpec | None:
@@ -36,9 +61,11 @@ def structured_spec(req: _SamplingFields) -> StructuredOutputSpec | None:
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise ApiError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-        found.append(("response_format", StructuredOutputSpec("json", _schema_text(fmt.json_schema.schema_, "schema"))))
+        strict = bool(fmt.json_schema.strict)
+        text = schema_text(fmt.json_schema.schema_, "response_format", strict)
+        found.append(("response_format", StructuredOutputSpec("json", text)))
     if req.guided_json is not None:
-        found.append(("guided_json", StructuredOutputSpec("json", _schema_text(req.guided_json, "guided_json"))))
+        found.append(("guided_json", StructuredOutputSpec("json", schema_text(req.guided_json, "guided_json"))))
     if req.guided_regex is not None:
         found.append(("guided_regex", StructuredOutputSpec("regex", req.guided_regex)))
     if req.guided_choice is not None:
@@ -48,7 +75,7 @@ def structured_spec(req: _SamplingFields) -> StructuredOutputSpec | None:
     so = req.structured_outputs
     if so is not None:
         if so.json_ is not None:
-            found.append(("structured_outputs.json", StructuredOutputSpec("json", _schema_text(so.json_, "json"))))
+            found.append(("structured_outputs.json", StructuredOutputSpec("json", schema_text(so.json_, "json"))))
         if so.regex is not None:
             found.append(("structured_outputs.regex", StructuredOutputSpec("regex", so.regex)))
         if so.choice is not None:

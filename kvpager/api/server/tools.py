@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpager.api.server.errors import ApiError
+from kvpager.api.server.guided import closed_objects
 from kvpager.api.server.protocol import ChatCompletionRequest, ResponseFunctionCall, ResponseToolCall
 from kvpager.core.sampling_params import StructuredOutputSpec
 
@@ -80,8 +81,9 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     return ToolPlan("named", name=tool.function.name, constraint=spec)
 
 
-def _params(tool: Any) -> dict[str, Any]:
-    return dict(tool.function.parameters) if tool.function.parameters else ANY_OBJECT
+def _params(tool: Any) -> Any:
+    """The function's parameter schema, closed (no invented keys), as the constraint of its arguments."""
+    return closed_objects(dict(tool.function.parameters)) if tool.function.parameters else ANY_OBJECT
 
 
 def new_call_id() -> str:
@@ -94,15 +96,35 @@ def tool_calls_of(plan: ToolPlan, text: str, parser: str | None) -> tuple[str | 
         assert plan.name is not None
         return None, [_call(plan.name, text)]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-            calls = [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
-        except (ValueError, KeyError, TypeError):
-            return text, []  # cut short (max_tokens): not a complete call, so plain content
-        return None, calls
+        items = complete_items(text)
+        if not items:
+            return text, []  # cut short (max_tokens) before one call was complete: plain content
+        return None, [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
     if plan.mode == "auto" and parser is not None:
         return parse_tool_calls(parser, text)
     return text, []
+
+
+def complete_items(text: str) -> list[dict[str, Any]]:
+    """The complete `{"name", "parameters"}` items of a `required` array, also when max_tokens cut
+    the array short (the grammar guarantees every complete item is a valid call)."""
+    body = text.strip()
+    if not body.startswith("["):
+        return []
+    decoder = json.JSONDecoder()
+    items: list[dict[str, Any]] = []
+    at = 1
+    while True:
+        while at < len(body) and body[at] in " \t\r\n,":
+            at += 1
+        if at >= len(body) or body[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return items
+        if isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item:
+            items.append(item)
 
 
 def _call(name: str, arguments: str) -> ResponseToolCall:
