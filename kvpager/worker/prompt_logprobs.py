@@ -7,11 +7,13 @@ slices, so a long prefill never materialises [T, V] at once) and their log_softm
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from kvpager.core.outputs import PositionLogprobs
+from kvpager.core.scheduler import ScheduledRequest
 
 SLICE_ROWS = 256
 
@@ -43,3 +45,33 @@ def compute_prompt_logprobs(
             top = list(zip(ids_l[i], values_l[i], strict=True))
             out.append(PositionLogprobs(token_id=token_id, logprob=chosen_l[i], top=top, rank=int(ranks_l[i])))
     return out
+
+
+def store_prompt_logprobs(
+    scheduled: Sequence[ScheduledRequest],
+    rows: Mapping[str, Any],
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Store in each asking row (`row.prompt_logprobs`: position -> logprobs, until
+    `row.prompt_logprobs_taken`) the prompt tokens this step predicts; one logits batch for all."""
+    hidden_rows: list[int] = []
+    targets: list[int] = []
+    owners: list[tuple[Any, int]] = []
+    k = 0
+    offset = 0
+    for s in scheduled:
+        row = rows.get(s.request_id)
+        if row is not None and row.prompt_logprobs is not None and not row.prompt_logprobs_taken:
+            for p in prompt_positions(s.start_position, len(s.token_ids), len(row.prompt_token_ids)):
+                hidden_rows.append(offset + p - s.start_position)
+                targets.append(row.prompt_token_ids[p + 1])
+                owners.append((row, p + 1))
+            k = max(k, row.params.prompt_logprobs or 0)
+        offset += len(s.token_ids)
+    if not hidden_rows:
+        return
+    computed = compute_prompt_logprobs(hidden, hidden_rows, targets, k, compute_logits)
+    for (row, position), lp in zip(owners, computed, strict=True):
+        lp.top = lp.top[: row.params.prompt_logprobs or 0]
+        row.prompt_logprobs[position] = lp

@@ -20,9 +20,9 @@ from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_
 from kvpager.model.llama import CausalLM
 from kvpager.model.precision import fp32_matmul_precision
 from kvpager.model.spec import ModelSpec
-from kvpager.worker.prompt_logprobs import compute_prompt_logprobs, prompt_positions
+from kvpager.worker.prompt_logprobs import store_prompt_logprobs
 from kvpager.worker.sampler import Sampler, SamplingRow
-from kvpager.worker.structured import GrammarCompiler, advance, fill_bitmask
+from kvpager.worker.structured import GrammarCompiler, advance, batch_bitmask
 
 
 @dataclass(slots=True)
@@ -122,7 +122,7 @@ class ModelRunner:
         scheduled = out.scheduled
         input_ids, positions, md = self._prepare_inputs(out)
         hidden = self.model(input_ids, positions, self.kv_cache, md)
-        self._prompt_logprobs(out, hidden)
+        store_prompt_logprobs(out.scheduled, self._rows, hidden, self.model.compute_logits)
         # NOTE: logits only for sequences whose step reaches their last known token.
         ends: list[int] = []
         sample_ids: list[RequestId] = []
@@ -158,36 +158,9 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, md
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
-        """Store the logprobs of the prompt tokens this step predicts, for rows that asked (one batch)."""
-        hidden_rows: list[int] = []
-        targets: list[int] = []
-        owners: list[tuple[_RowState, int]] = []
-        k = 0
-        offset = 0
-        for s in out.scheduled:
-            row = self._rows.get(s.request_id)
-            if row is not None and row.prompt_logprobs is not None and not row.prompt_logprobs_taken:
-                for p in prompt_positions(s.start_position, len(s.token_ids), len(row.prompt_token_ids)):
-                    hidden_rows.append(offset + p - s.start_position)
-                    targets.append(row.prompt_token_ids[p + 1])
-                    owners.append((row, p + 1))
-                k = max(k, row.params.prompt_logprobs or 0)
-            offset += len(s.token_ids)
-        if not hidden_rows:
-            return
-        computed = compute_prompt_logprobs(hidden, hidden_rows, targets, k, self.model.compute_logits)
-        for (row, position), lp in zip(owners, computed, strict=True):
-            assert row.prompt_logprobs is not None
-            lp.top = lp.top[: row.params.prompt_logprobs or 0]
-            row.prompt_logprobs[position] = lp
-
     def _sample(self, request_ids: list[RequestId], logits: torch.Tensor) -> dict[RequestId, SampledToken]:
         rows = [self._sampling_row(rid) for rid in request_ids]
-        guided = [i for i, rid in enumerate(request_ids) if self._rows[rid].matcher is not None]
-        bitmask = None
-        if guided:
-            bitmask = fill_bitmask([self._rows[request_ids[i]].matcher for i in guided], logits.shape[1])
+        bitmask, guided = batch_bitmask([self._rows[rid].matcher for rid in request_ids], logits.shape[1])
         result = self.sampler.sample(logits, rows, bitmask, guided)
         token_ids = result.token_ids.tolist()
         sampled: dict[RequestId, SampledToken] = {}

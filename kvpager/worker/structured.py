@@ -128,6 +128,14 @@ def fill_bitmask(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
+def batch_bitmask(matchers: Sequence[Any], vocab_size: int) -> tuple[torch.Tensor | None, list[int]]:
+    """(bitmask of the rows that have a matcher, those rows' indices); (None, []) when none has."""
+    guided = [i for i, m in enumerate(matchers) if m is not None]
+    if not guided:
+        return None, []
+    return fill_bitmask([matchers[i] for i in guided], vocab_size), guided
+
+
 def advance(matcher: Any, token_id: int) -> None:
     """Feed the sampled token to the request's matcher (a rejected token is logged, not raised)."""
     if matcher.is_stopped():
