@@ -46,6 +46,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         str(TEMPLATE),
         "--tool-call-parser",
         "hermes",
+        # small steps: the scored prompts (~25 tokens) are prefilled in chunks, so prompt logprobs
+        # are gathered across steps
+        "--max-num-batched-tokens",
+        "16",
     )
     try:
         yield proc.wait_healthy(timeout=300)

@@ -61,3 +61,23 @@ def test_required_array_cut_short_keeps_its_complete_calls() -> None:
     cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"x": 7}}, {"name": "GetWea'
     assert [i["name"] for i in complete_items(cut)] == ["a", "b"]
     assert complete_items('[{"na') == [] and complete_items("not an array") == []
+
+
+def test_strict_schemas_close_every_object_that_lists_properties() -> None:
+    from kvpager.api.server.guided import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "properties": {"type": "string"},
+        },
+        "$defs": {"D": {"type": "object", "properties": {"y": {}}, "additionalProperties": True}},
+        "items": {"anyOf": [{"type": "object", "properties": {"z": {}}}]},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["properties"]  # a property named "properties"
+    assert closed["$defs"]["D"]["additionalProperties"] is True  # an explicit choice is kept
+    assert closed["items"]["anyOf"][0]["additionalProperties"] is False
