@@ -110,7 +110,7 @@ class KVCacheManager:
         NOTE: hits stop at num_tokens - 1: the last known token is always computed, because its
         logits are needed to sample the next one.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.store is not None:

@@ -64,6 +64,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    skip_reading_prefix_cache: bool = False  # computes every prompt position (prompt logprobs need logits)
 
     @property
     def id(self) -> RequestId:

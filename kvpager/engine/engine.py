@@ -25,6 +25,7 @@ from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
 from kvpager.kvstore.pack import ModelFacts, PackExpectation
 from kvpager.kvstore.remote import RemotePublisher
 from kvpager.worker.runner import ModelRunner
+from kvpager.worker.structured import GrammarCompiler
 
 logger = logging.getLogger("kvpager")
 
@@ -63,6 +64,8 @@ class Engine:
         self.max_model_len = lm.max_model_len
         self.model_name = str(config.model) if config.model is not None else "kvpager-demo"
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        # NOTE: thread-safe; the server compiles a request's grammar here before adding it.
+        self.grammar = GrammarCompiler(self.tokenizer.backend_json(), lm.spec.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(
             lm.model,
             lm.spec,
@@ -73,6 +76,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             fp32_matmul_precision=config.fp32_matmul_precision,
             seed=config.seed,
+            grammar=self.grammar,
         )
         tiers = build_tiers(config, lm.fingerprint)
         self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None
@@ -136,6 +140,9 @@ class Engine:
             Request(RequestId(seq_id), list(prompt_ids), _child_params(child_params, i), arrival_time=arrival)
             for i, seq_id in enumerate(seq_ids)
         ]
+        for req in requests:
+            # NOTE: a cached prefix has no logits: prompt logprobs recompute the whole prompt (as vLLM).
+            req.skip_reading_prefix_cache = req.sampling_params.prompt_logprobs is not None
         added: list[str] = []
         try:
             for req in requests:
@@ -145,8 +152,14 @@ class Engine:
             for seq_id in added:
                 self.scheduler.abort_request(RequestId(seq_id))
             raise
-        for req in requests:
-            self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+        try:
+            for req in requests:
+                self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+        except ValueError:
+            for req in requests:
+                self.scheduler.abort_request(req.request_id)
+                self.runner.remove_request(req.request_id)
+            raise
         self.outputs.add_request(request_id, prompt_text, prompt_ids, child_params, max_tokens, seq_ids, arrival)
         self._prompt_tokens_total += len(prompt_ids)
 
@@ -174,6 +187,10 @@ class Engine:
         changed: dict[str, None] = {}
         for seq_id, s in sampled.items():
             request = self.scheduler.requests[seq_id]
+            if request.sampling_params.prompt_logprobs is not None:
+                prompt_lp = self.runner.take_prompt_logprobs(seq_id)
+                if prompt_lp is not None:
+                    self.outputs.set_prompt_logprobs(seq_id, prompt_lp)
             reason = self.outputs.process_token(seq_id, s.token_id, s.logprobs, request.num_cached_tokens, now)
             self._generation_tokens_total += 1
             if reason is not None:
@@ -252,6 +269,7 @@ class Engine:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        self.grammar.shutdown()
         if self.kv_store is None:
             return
         written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
@@ -282,7 +300,9 @@ class Engine:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible."""
-    if index == 0 or params.seed is None:
+    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible; only
+    sample 0 computes prompt logprobs (the others may then share the prompt's cached blocks)."""
+    if index == 0:
         return params
-    return replace(params, seed=params.seed + index)
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, seed=seed, prompt_logprobs=None)

@@ -8,6 +8,7 @@ sampled token ids; it never touches scheduler or request objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,7 +20,9 @@ from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_
 from kvpager.model.llama import CausalLM
 from kvpager.model.precision import fp32_matmul_precision
 from kvpager.model.spec import ModelSpec
+from kvpager.worker.prompt_logprobs import store_prompt_logprobs
 from kvpager.worker.sampler import Sampler, SamplingRow
+from kvpager.worker.structured import GrammarCompiler, advance, batch_bitmask
 
 
 @dataclass(slots=True)
@@ -35,6 +38,9 @@ class _RowState:
     output_token_ids: list[int]
     generator: torch.Generator | None
     stop_token_ids: tuple[int, ...]
+    matcher: Any = None  # llguidance LLMatcher of a structured-output request
+    prompt_logprobs: dict[int, PositionLogprobs] | None = None  # prompt position -> its logprobs
+    prompt_logprobs_taken: bool = False
 
 
 class ModelRunner:
@@ -52,6 +58,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         fp32_matmul_precision: str = "highest",
         seed: int | None = 0,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -63,6 +70,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, device)
         # unseeded requests draw from one generator seeded by the engine's --seed (vLLM's meaning)
         self.sampler = Sampler(seed)
+        self.grammar = grammar
         self._rows: dict[str, _RowState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -71,10 +79,26 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         stop_ids = tuple(params.stop_token_ids or ())
-        self._rows[request_id] = _RowState(params, list(prompt_token_ids), [], generator, stop_ids)
+        row = _RowState(params, list(prompt_token_ids), [], generator, stop_ids)
+        if params.structured is not None:
+            if self.grammar is None:
+                raise ValueError("structured output needs a grammar compiler (llguidance)")
+            row.matcher = self.grammar.matcher(params.structured)  # ValueError on a bad grammar
+        if params.prompt_logprobs is not None:
+            row.prompt_logprobs = {}
+        self._rows[request_id] = row
 
     def remove_request(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
+
+    def take_prompt_logprobs(self, request_id: str) -> list[PositionLogprobs | None] | None:
+        """The prompt logprobs of a request whose prefill is complete, once (None first: no context)."""
+        row = self._rows.get(request_id)
+        if row is None or row.prompt_logprobs is None or row.prompt_logprobs_taken:
+            return None
+        row.prompt_logprobs_taken = True
+        got = row.prompt_logprobs
+        return [None] + [got.get(p) for p in range(1, len(row.prompt_token_ids))]
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """Block `block_id`'s K/V: a view [num_layers, 2, block_size, num_kv_heads, head_dim].
@@ -98,6 +122,7 @@ class ModelRunner:
         scheduled = out.scheduled
         input_ids, positions, md = self._prepare_inputs(out)
         hidden = self.model(input_ids, positions, self.kv_cache, md)
+        store_prompt_logprobs(out.scheduled, self._rows, hidden, self.model.compute_logits)
         # NOTE: logits only for sequences whose step reaches their last known token.
         ends: list[int] = []
         sample_ids: list[RequestId] = []
@@ -135,12 +160,16 @@ class ModelRunner:
 
     def _sample(self, request_ids: list[RequestId], logits: torch.Tensor) -> dict[RequestId, SampledToken]:
         rows = [self._sampling_row(rid) for rid in request_ids]
-        result = self.sampler.sample(logits, rows)
+        bitmask, guided = batch_bitmask([self._rows[rid].matcher for rid in request_ids], logits.shape[1])
+        result = self.sampler.sample(logits, rows, bitmask, guided)
         token_ids = result.token_ids.tolist()
         sampled: dict[RequestId, SampledToken] = {}
         for i, rid in enumerate(request_ids):
             lp = result.logprobs[i] if result.logprobs is not None else None
-            self._rows[rid].output_token_ids.append(token_ids[i])
+            row = self._rows[rid]
+            row.output_token_ids.append(token_ids[i])
+            if row.matcher is not None:
+                advance(row.matcher, token_ids[i])
             sampled[rid] = SampledToken(token_ids[i], lp)
         return sampled
 
