@@ -1,7 +1,7 @@
 """Request: one sequence's record as the scheduler sees it. Torch-free.
 
 The scheduler and the KV manager mutate it; the runner never sees it (it gets a frozen
-`SchedulerOutput`). Counts follow the project's vocabulary: `num_tokens` = prompt + output so far,
+`SchedulerOutput` and keeps its own state per request). Counts follow the project's vocabulary: `num_tokens` = prompt + output so far,
 `num_computed_tokens` = positions whose K/V is in the cache, `num_cached_tokens` = prompt positions
 served by the prefix cache at (first) admission.
 """

@@ -6,8 +6,13 @@ Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num
    running request is preempted (possibly itself) and the allocation retried.
 2. WAITING requests, front first, are admitted while budget, sequence slots and blocks allow; a
    prompt longer than the budget left is scheduled in part (chunked prefill). No request is
-   admitted in a step that preempted one (as in vLLM v1).
-The runner receives a frozen `SchedulerOutput` and hands back sampled token ids.
+   admitted in a step that preempted one (as in vLLM v1). A request whose prefix continues in a
+   slower KV tier leaves the queue as WAITING_FOR_REMOTE_KVS while the tier loads it in the
+   background, and returns to the front once the load completes (`KVCacheManager.poll_loads`).
+A prefill-only request (KV export) is scheduled like any other but samples nothing; once its prompt
+is computed it leaves the batch as PREFILLED, holding its blocks until its owner finishes it.
+The runner receives a frozen `SchedulerOutput` (new requests once, then per-step diffs) and hands
+back sampled token ids.
 """
 
 from __future__ import annotations

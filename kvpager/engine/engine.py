@@ -154,6 +154,7 @@ class Engine:
         """Stop a request now and free its blocks. Returns its final output, or None if unknown."""
         for seq_id in self.outputs.seq_ids_of(request_id):
             self.scheduler.abort_request(RequestId(seq_id))
+        self._changed.pop(request_id, None)  # NOTE: its final output is returned here instead
         return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +38,24 @@ from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers, TierStats
 logger = logging.getLogger("kvpager.kvstore.offload")
 
 DEFAULT_MAX_PENDING_WRITES = 256  # copied-out blocks waiting for the I/O thread
+IDLE_CHECK_S = 1.0  # how often an idle worker thread checks whether its store still exists
+
+
+def _run_worker(
+    ref: weakref.ReferenceType[TieredBlockStore], cond: threading.Condition, work: deque[Any], step: str
+) -> None:
+    """A worker thread: wait for `work`, run `store.<step>()`; ends when it returns False or the store is gone.
+
+    NOTE: it holds the store only while it works, so a store dropped without close() is collected.
+    """
+    while True:
+        with cond:
+            if not work:
+                cond.wait(IDLE_CHECK_S)
+        store = ref()
+        if store is None or not getattr(store, step)():
+            return
+        del store
 
 
 class BlockIO(Protocol):
@@ -175,11 +194,17 @@ class TieredBlockStore:
         self._io_busy = False
         self._finished: dict[int, int] = {}
         self._closed = False
+        # NOTE: the threads hold the store weakly between jobs, so a store (and the KV pool its
+        # `io` holds) that is dropped without close() is still collected; the threads then end.
+        ref = weakref.ref(self)
         self._threads = [
-            threading.Thread(target=self._copy_loop, name="kvpager-kv-copy", daemon=True),
-            threading.Thread(target=self._io_loop, name="kvpager-kv-io", daemon=True),
+            threading.Thread(
+                target=_run_worker, args=(ref, self._cond, self._copies, "_copy_once"), name="kvpager-kv-copy"
+            ),
+            threading.Thread(target=_run_worker, args=(ref, self._cond, self._jobs, "_io_once"), name="kvpager-kv-io"),
         ]
         for thread in self._threads:
+            thread.daemon = True
             thread.start()
 
     # ---- BlockStore (called on the engine thread; none waits for tier I/O) ---------------------
@@ -281,42 +306,40 @@ class TieredBlockStore:
                 return
         self._run_job(job)  # NOTE: after close() (e.g. a step after shutdown), inline
 
-    def _copy_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._copies and not self._closed:
-                    self._cond.wait()
-                if not self._copies:
-                    return
-                block_id, block_hash = self._copies.popleft()
-            start = time.perf_counter()
-            block = self.io.read_block(block_id).to("cpu", copy=True)
-            with self._cond:
-                del self._copying[block_id]
-                if self._num_writes < self.max_pending_writes:
-                    self._jobs.append(_Store(block_hash, block, start))
-                    self._num_writes += 1
-                else:
-                    self._staged.discard(block_hash)
-                    self.dropped += 1
-                self._cond.notify_all()
+    def _copy_once(self) -> bool:
+        """Copy out one queued block, if any; False once closed and idle."""
+        with self._cond:
+            if not self._copies:
+                return not self._closed
+            block_id, block_hash = self._copies.popleft()
+        start = time.perf_counter()
+        block = self.io.read_block(block_id).to("cpu", copy=True)
+        with self._cond:
+            del self._copying[block_id]
+            if self._num_writes < self.max_pending_writes:
+                self._jobs.append(_Store(block_hash, block, start))
+                self._num_writes += 1
+            else:
+                self._staged.discard(block_hash)
+                self.dropped += 1
+            self._cond.notify_all()
+        return True
 
-    def _io_loop(self) -> None:
-        while True:
+    def _io_once(self) -> bool:
+        """Run one queued I/O job, if any; False once closed and idle."""
+        with self._cond:
+            if not self._jobs:
+                return not self._closed
+            job = self._jobs.popleft()
+            self._num_writes -= isinstance(job, _Store)
+            self._io_busy = True
+        try:
+            self._run_job(job)
+        finally:
             with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-                self._num_writes -= isinstance(job, _Store)
-                self._io_busy = True
-            try:
-                self._run_job(job)
-            finally:
-                with self._cond:
-                    self._io_busy = False
-                    self._cond.notify_all()
+                self._io_busy = False
+                self._cond.notify_all()
+        return True
 
     def _run_job(self, job: _Job) -> None:
         if isinstance(job, _Store):
