@@ -53,8 +53,13 @@ def _run_worker(
             if not work:
                 cond.wait(IDLE_CHECK_S)
         store = ref()
-        if store is None or not getattr(store, step)():
+        if store is None:
             return
+        try:
+            if not getattr(store, step)():
+                return
+        except Exception:  # NOTE: a failed job loses its work, never the thread (drain() must end)
+            logger.exception("KV tiers: background %s failed", step)
         del store
 
 
@@ -313,10 +318,16 @@ class TieredBlockStore:
                 return not self._closed
             block_id, block_hash = self._copies.popleft()
         start = time.perf_counter()
-        block = self.io.read_block(block_id).to("cpu", copy=True)
+        block: torch.Tensor | None = None
+        try:
+            block = self.io.read_block(block_id).to("cpu", copy=True)
+        except Exception:  # NOTE: lose this cache entry; never leave wait_for_copies() hanging
+            logger.exception("KV tiers: could not copy out block %d", block_id)
         with self._cond:
             del self._copying[block_id]
-            if self._num_writes < self.max_pending_writes:
+            if block is None:
+                self._staged.discard(block_hash)
+            elif self._num_writes < self.max_pending_writes:
                 self._jobs.append(_Store(block_hash, block, start))
                 self._num_writes += 1
             else:
