@@ -127,8 +127,14 @@ class KVCacheManager:
         return tuple(self._req_to_blocks.get(request_id, ()))
 
     def block_tables(self) -> dict[RequestId, tuple[int, ...]]:
-        """Every request's block table (a copy; for read-only views such as the KV map)."""
-        return {request_id: tuple(blocks) for request_id, blocks in self._req_to_blocks.items()}
+        """Every request's block table (a copy; for read-only views such as the KV map).
+
+        A request waiting for a prefix load is listed with the blocks the load holds for it.
+        """
+        tables = {request_id: tuple(blocks) for request_id, blocks in self._req_to_blocks.items()}
+        for request_id in self._load_of:
+            tables[request_id] = tables.get(request_id, ()) + self.loading_block_ids(request_id)
+        return tables
 
     def block_hashes(self, request_id: RequestId) -> list[BlockHash]:
         """Hashes of the request's full, scheduled blocks, aligned with `block_ids(request_id)`.
@@ -208,6 +214,14 @@ class KVCacheManager:
             else:
                 ready.append(load.request_id)
         return ready
+
+    def loading_block_ids(self, request_id: RequestId) -> tuple[int, ...]:
+        """The blocks a load holds for `request_id` (its device hits, then the loaded blocks); empty without one."""
+        job_id = self._load_of.get(request_id)
+        if job_id is None:
+            return ()
+        load = self._loads[job_id]
+        return tuple(load.kept if load.done else load.held + load.block_ids)
 
     def has_pending_loads(self) -> bool:
         return any(not load.done for load in self._loads.values())
