@@ -63,12 +63,12 @@ def store_prompt_logprobs(
     for s in scheduled:
         row = rows.get(s.request_id)
         if row is not None and row.prompt_logprobs is not None and not row.prompt_logprobs_taken:
-            for p in prompt_positions(s.start_position, len(s.token_ids), len(row.prompt_token_ids)):
+            for p in prompt_positions(s.start_position, s.num_tokens, len(row.prompt_token_ids)):
                 hidden_rows.append(offset + p - s.start_position)
                 targets.append(row.prompt_token_ids[p + 1])
                 owners.append((row, p + 1))
             k = max(k, row.params.prompt_logprobs or 0)
-        offset += len(s.token_ids)
+        offset += s.num_tokens
     if not hidden_rows:
         return
     computed = compute_prompt_logprobs(hidden, hidden_rows, targets, k, compute_logits)

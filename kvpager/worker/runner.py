@@ -1,8 +1,10 @@
 """ModelRunner: a scheduled batch becomes tensors, the model runs, the sampler picks tokens.
 
-The runner owns the model, the KV cache tensor and the per-request sampling state (seeded
-generators, token history for penalties). It reads the scheduler's frozen output and returns
-sampled token ids; it never touches scheduler or request objects.
+The runner owns the model, the KV cache tensor and its own state per request (tokens, block table,
+seeded generator), kept up to date from the scheduler's frozen `SchedulerOutput` alone: new requests
+arrive once with their prompt, parameters and block table; each step brings only diffs (new block
+ids, preempted and finished ids). It returns sampled token ids and never touches scheduler or
+request objects.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from kvpager.core.hashing import RequestId
 from kvpager.core.outputs import PositionLogprobs
 from kvpager.core.sampling_params import SamplingParams
-from kvpager.core.scheduler import SchedulerOutput
+from kvpager.core.scheduler import NewRequestData, SchedulerOutput
 from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_attention_metadata
 from kvpager.model.llama import CausalLM
 from kvpager.model.precision import fp32_matmul_precision
@@ -38,9 +40,18 @@ class _RowState:
     output_token_ids: list[int]
     generator: torch.Generator | None
     stop_token_ids: tuple[int, ...]
+    block_ids: list[int]
     matcher: Any = None  # llguidance LLMatcher of a structured-output request
     prompt_logprobs: dict[int, PositionLogprobs] | None = None  # prompt position -> its logprobs
     prompt_logprobs_taken: bool = False
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
 class ModelRunner:
@@ -73,23 +84,38 @@ class ModelRunner:
         self.grammar = grammar
         self._rows: dict[str, _RowState] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state the runner holds (sent and not finished yet)."""
+        return len(self._rows)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        """Apply a step's diffs, in the order `SchedulerOutput` documents."""
+        for request_id in out.finished_ids:
+            self._rows.pop(request_id, None)
+        for request_id in out.preempted_ids:
+            self._rows[request_id].block_ids.clear()  # NOTE: tokens and generator state are kept
+        for new in out.new_requests:
+            self._add_row(new)
+        for s in out.scheduled:
+            if s.new_block_ids:
+                self._rows[s.request_id].block_ids.extend(s.new_block_ids)
+
+    def _add_row(self, new: NewRequestData) -> None:
+        params: SamplingParams = new.sampling_params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         stop_ids = tuple(params.stop_token_ids or ())
-        row = _RowState(params, list(prompt_token_ids), [], generator, stop_ids)
+        row = _RowState(params, list(new.prompt_token_ids), [], generator, stop_ids, list(new.block_ids))
         if params.structured is not None:
-            if self.grammar is None:
-                raise ValueError("structured output needs a grammar compiler (llguidance)")
-            row.matcher = self.grammar.matcher(params.structured)  # ValueError on a bad grammar
+            # NOTE: the engine compiled (and so validated) the grammar before admitting the request
+            assert self.grammar is not None, "structured output needs a grammar compiler (llguidance)"
+            row.matcher = self.grammar.matcher(params.structured)
         if params.prompt_logprobs is not None:
             row.prompt_logprobs = {}
-        self._rows[request_id] = row
-
-    def remove_request(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
+        self._rows[new.request_id] = row
 
     def take_prompt_logprobs(self, request_id: str) -> list[PositionLogprobs | None] | None:
         """The prompt logprobs of a request whose prefill is complete, once (None first: no context)."""
@@ -113,6 +139,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
+        """Apply the step's diffs to the runner's state, then run its batch (if any) and sample."""
+        self._update_states(out)
         if not out.scheduled:
             return {}
         with fp32_matmul_precision(self.fp32_matmul_precision):
@@ -128,7 +156,7 @@ class ModelRunner:
         sample_ids: list[RequestId] = []
         offset = 0
         for s in scheduled:
-            offset += len(s.token_ids)
+            offset += s.num_tokens
             if s.needs_sample:
                 ends.append(offset - 1)
                 sample_ids.append(s.request_id)
@@ -145,12 +173,12 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         for s in out.scheduled:
-            n = len(s.token_ids)
-            token_ids.extend(s.token_ids)
-            positions.extend(range(s.start_position, s.start_position + n))
+            row, n, start = self._rows[s.request_id], s.num_tokens, s.start_position
+            token_ids.extend(row.token_ids_between(start, start + n))
+            positions.extend(range(start, start + n))
             query_lens.append(n)
-            seq_lens.append(s.start_position + n)
-            block_tables.append(list(s.block_ids))
+            seq_lens.append(start + n)
+            block_tables.append(row.block_ids)
         md = build_attention_metadata(
             query_lens, seq_lens, block_tables, self.block_size, self.device, sliding_window=self.spec.sliding_window
         )
