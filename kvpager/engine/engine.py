@@ -15,9 +15,10 @@ from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import RequestId
 from kvpager.core.kv_cache_manager import KVCacheManager
 from kvpager.core.outputs import RequestOutput
-from kvpager.core.request import Request, RequestStatus
+from kvpager.core.request import RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler, SchedulerConfig
+from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
 from kvpager.engine.kv_transfer import KVTransfer
 from kvpager.engine.loading import LoadedModel, load, log_pool
 from kvpager.engine.output_processor import OutputProcessor
@@ -103,6 +104,14 @@ class Engine:
             logger.info("KV pack %s: %d blocks pinned in the prefix cache", path, num_blocks)
         self._is_shut_down = False
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, lm.max_model_len)
+        self._admission = AdmissionContext(
+            vocab_size=lm.spec.vocab_size,
+            max_model_len=lm.max_model_len,
+            limits=config.request_limits,
+            encode=self.tokenizer.encode,
+            parent_in_use=lambda rid: rid in self.outputs.parents,
+            sequence_in_use=lambda sid: sid in self.scheduler.requests or sid in self.outputs.seqs,
+        )
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         log_pool(lm.pool, lm.max_model_len)
@@ -118,37 +127,31 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem; nothing is queued then."""
-        if request_id in self.outputs.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate_prompt(prompt_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        if max_tokens < 1:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens and the prompt has "
-                f"{len(prompt_ids)} tokens, which leaves no room for output"
-            )
-        child_params = replace(params, max_tokens=max_tokens)
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        requests = [
-            Request(RequestId(seq_id), list(prompt_ids), _child_params(child_params, i), arrival_time=arrival)
-            for i, seq_id in enumerate(seq_ids)
-        ]
-        added: list[str] = []
+        """Queue a request. Raises ValueError naming the problem; the engine is unchanged then.
+
+        Every check runs first (`admission.admit`, which changes nothing); should queueing still
+        fail part-way, what was queued is undone before the error propagates.
+        """
+        adm = admit(self._admission, request_id, prompt, params, arrival_time)
+        queued: list[str] = []
         try:
-            for req in requests:
+            for req in adm.requests:
+                queued.append(req.request_id)
                 self.scheduler.add_request(req)
-                added.append(req.request_id)
-        except ValueError:
-            for seq_id in added:
-                self.scheduler.abort_request(RequestId(seq_id))
+                self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+            self.outputs.add_request(
+                request_id, adm.prompt_text, adm.prompt_ids, adm.params, adm.max_tokens, adm.seq_ids, adm.arrival_time
+            )
+        except BaseException:
+            self._undo_admission(request_id, queued)
             raise
-        for req in requests:
-            self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
-        self.outputs.add_request(request_id, prompt_text, prompt_ids, child_params, max_tokens, seq_ids, arrival)
-        self._prompt_tokens_total += len(prompt_ids)
+        self._prompt_tokens_total += len(adm.prompt_ids)
+
+    def _undo_admission(self, request_id: str, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.scheduler.abort_request(RequestId(seq_id))
+            self.runner.remove_request(seq_id)
+        self.outputs.discard(request_id, seq_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output, or None if unknown."""
@@ -259,30 +262,7 @@ class Engine:
 
     # ---- helpers --------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be a string or a list of integer token ids")
-        return None, list(prompt)
+        return tokenize(self._admission, prompt)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        vocab = self.model_spec.vocab_size
-        bad = [t for t in prompt_ids if t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{vocab - 1})")
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt."
-            )
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible."""
-    if index == 0 or params.seed is None:
-        return params
-    return replace(params, seed=params.seed + index)
+        check_prompt_ids(prompt_ids, self.model_spec.vocab_size, self.max_model_len)

@@ -77,6 +77,14 @@ class OutputProcessor:
                 output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
             )
 
+    def discard(self, request_id: str, seq_ids: list[str]) -> None:
+        """Forget a request that was never started (admission undo); no output is produced."""
+        self.parents.pop(request_id, None)
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.parent_id == request_id:
+                del self.seqs[seq_id]
+
     def process_token(
         self, seq_id: str, token_id: int, logprobs: PositionLogprobs | None, num_cached_tokens: int, now: float
     ) -> str | None:
