@@ -23,7 +23,7 @@ from kvpager.engine.kv_transfer import KVTransfer
 from kvpager.engine.loading import LoadedModel, load, log_pool
 from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
-from kvpager.kvstore.pack import ModelFacts, PackExpectation
+from kvpager.kvstore.pack import ModelFacts, Pack, PackExpectation
 from kvpager.kvstore.remote import RemotePublisher
 from kvpager.worker.runner import ModelRunner
 
@@ -216,7 +216,7 @@ class Engine:
             tokenizer_digest=self.tokenizer.tokenizer_digest(),
             weights_digest=lm.weights_digest,
         )
-        return PackExpectation(model_fingerprint=lm.fingerprint.hex(), model=facts)
+        return PackExpectation(model_fingerprint=lm.fingerprint.hex(), model=facts, max_tokens=self.max_model_len)
 
     def export_kv(self, prompt: str | list[int], codec: str = "lossless") -> bytes:
         """KV pack bytes of the prompt's full blocks, prefilling those not cached (ValueError on bad input).
@@ -234,6 +234,15 @@ class Engine:
         another model (fingerprint, dtype, block size, tokenizer, ...). Call between steps.
         """
         return self.kv_transfer.import_payload(payload, max_bytes)
+
+    def decode_kv(self, payload: bytes, max_bytes: int | None = None) -> Pack:
+        """The checks and decoding of `import_kv` without touching engine state: safe on any thread,
+        so a server decodes off the engine thread and inserts with `insert_kv` between steps."""
+        return self.kv_transfer.decode_payload(payload, max_bytes)
+
+    def insert_kv(self, pack: Pack, num_bytes: int) -> int:
+        """Insert a pack from `decode_kv` into the prefix cache (call between steps)."""
+        return self.kv_transfer.insert_payload(pack, num_bytes)
 
     def kv_tier_stats(self) -> KVTierStats:
         """Per-tier hits, misses, bytes held, evictions, load/save times and bytes moved."""

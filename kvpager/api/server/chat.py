@@ -31,7 +31,7 @@ async def create_chat_completion(
     model = serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    prompt = serving.chat_prompt(req.messages, req.add_generation_prompt, default_template)
+    prompt = await serving.chat_prompt_async(req.messages, req.add_generation_prompt, default_template)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, serving.max_tokens(requested, len(prompt.token_ids)), logprobs)

@@ -26,7 +26,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
-    prompts = serving.completion_prompts(req.prompt)
+    prompts = await serving.completion_prompts_async(req.prompt, req.n)
     params = [
         serving.sampling_params(req, serving.max_tokens(req.max_tokens, len(p.token_ids)), req.logprobs)
         for p in prompts
