@@ -156,8 +156,9 @@ def metrics_model_label(settings: ServerSettings, names: list[str]) -> str:
 def _add_routes(app: FastAPI, serving: Serving, engine: AsyncEngine, settings: ServerSettings) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        running = engine.is_running
-        return JSONResponse({"status": "ok" if running else "engine_dead"}, status_code=200 if running else 503)
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body("the engine loop is not running", "server_error", "engine_dead"), 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -235,6 +236,15 @@ _ERROR_RESPONSES = {
 }
 
 
+# Content types of the 200 answers that are not (only) JSON.
+_SUCCESS_CONTENT = {
+    "/v1/completions": ("application/json", "text/event-stream"),
+    "/v1/chat/completions": ("application/json", "text/event-stream"),
+    "/metrics": ("text/plain",),
+    "/v1/kv/export": ("application/octet-stream",),
+}
+
+
 def _customize_openapi(app: FastAPI) -> None:
     """Publish the error responses the server really gives; drop FastAPI's 422 (always 400 here)."""
 
@@ -248,9 +258,13 @@ def _customize_openapi(app: FastAPI) -> None:
             for nested, definition in components["ErrorResponse"].pop("$defs", {}).items():
                 components.setdefault(nested, definition)
             error_ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-            for operations in schema.get("paths", {}).values():
+            for path, operations in schema.get("paths", {}).items():
                 for operation in operations.values():
                     responses = operation.setdefault("responses", {})
+                    if path in _SUCCESS_CONTENT:
+                        responses.setdefault("200", {"description": "Successful Response"})["content"] = {
+                            media: {"schema": {}} for media in _SUCCESS_CONTENT[path]
+                        }
                     responses.pop("422", None)
                     for status, description in _ERROR_RESPONSES.items():
                         responses.setdefault(status, {"description": description, "content": error_ref})
