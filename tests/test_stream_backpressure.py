@@ -11,8 +11,9 @@ from pathlib import Path
 from kvpager.core.config import EngineConfig
 from kvpager.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpager.core.sampling_params import SamplingParams
-from kvpager.engine.async_engine import AsyncEngine, merge_outputs
+from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
+from kvpager.engine.output_processor import merge_outputs
 
 
 def test_a_never_read_stream_holds_one_merged_output_equal_to_the_full_result(llama_checkpoint: Path) -> None:

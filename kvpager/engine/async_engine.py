@@ -5,10 +5,8 @@ any asyncio event loop hand it work through an inbox (adds and aborts) guarded b
 variable; the loop thread drains the inbox before each step, runs `engine.step()` while there is
 work and sleeps on the condition otherwise (no busy loop). Outputs go back to per-request
 streams through `loop.call_soon_threadsafe`, so model compute never blocks an event loop.
-
-A stream holds at most one undelivered output: when its reader is slower than the engine, a new
-output is merged into the pending one (its deltas appended, the rest replaced by the newer values),
-so a reader that never reads costs one output's memory, not one copy per step.
+A stream holds at most one undelivered output (newer ones merge into it, `merge_outputs`), so a
+reader that never reads costs one output's memory, not one copy per step.
 """
 
 from __future__ import annotations
@@ -18,11 +16,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvpager.core.outputs import CompletionOutput, RequestOutput
+from kvpager.core.outputs import RequestOutput
 from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.output_processor import merge_outputs
 
 logger = logging.getLogger("kvpager.engine.async_engine")
 
@@ -261,9 +260,8 @@ class AsyncEngine:
         return await future
 
     async def import_kv(self, payload: bytes, max_bytes: int | None = None) -> int:
-        """Import a KV payload: checked and decoded on a worker thread (sha256, codec, hash chain and
-        finiteness cost time proportional to the payload), then inserted on the loop thread between
-        steps. Returns the blocks imported; ValueError naming the problem (nothing imported)."""
+        """Import a KV payload: checked and decoded on a worker thread, inserted on the loop thread
+        between steps. Returns the blocks imported; ValueError naming the problem (nothing imported)."""
         pack = await asyncio.to_thread(self.engine.decode_kv, payload, max_bytes)
         return int(await self.run_in_engine(lambda e: e.insert_kv(pack, len(payload))))
 
@@ -379,26 +377,6 @@ class AsyncEngine:
                 _resolve(cmd, None, error)
             else:
                 cmd.stream._resolve_added(error)
-
-
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One output equivalent to delivering `older` then `newer`: per sample, the deltas are joined and
-    everything else (text so far, token ids, finish reason) is the newer value."""
-    samples: dict[int, CompletionOutput] = {o.index: o for o in older.outputs}
-    for out in newer.outputs:
-        prev = samples.get(out.index)
-        if prev is not None:
-            delta_logprobs = out.delta_logprobs
-            if prev.delta_logprobs is not None:
-                delta_logprobs = prev.delta_logprobs + (out.delta_logprobs or [])
-            out = replace(
-                out,
-                delta_text=prev.delta_text + out.delta_text,
-                delta_token_ids=prev.delta_token_ids + out.delta_token_ids,
-                delta_logprobs=delta_logprobs,
-            )
-        samples[out.index] = out
-    return replace(newer, outputs=[samples[i] for i in sorted(samples)])
 
 
 def _run_call(engine: Any, call: _Call) -> None:
