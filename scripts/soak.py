@@ -144,7 +144,7 @@ class Server:
 
         import uvicorn
 
-        from kvpager.cli.engine_args import config_from_args
+        from kvpager.engine.args import config_from_args
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
