@@ -31,12 +31,15 @@ COUNTS: dict[str, int] = {"cases": 0, "server_errors": 0}
 
 
 @pytest.fixture(scope="module")
-def live_url(llama_checkpoint: Path) -> Iterator[str]:
+def live_url(llama_checkpoint: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     engine = Engine(EngineConfig(model=str(llama_checkpoint), block_size=4, kv_cache_memory=1 << 20, max_model_len=48))
     settings_ = ServerSettings(api_key=API_KEY, enable_kv_import=True, kv_transfer_key="transfer")
     with ThreadServer(build_app(AsyncEngine(engine, max_waiting=64), settings_)) as url:
         yield url
-    print(f"\nschemathesis: {COUNTS['cases']} cases, {COUNTS['server_errors']} server errors")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    line = f"schemathesis: {COUNTS['cases']} cases, {COUNTS['server_errors']} server errors"
+    if reporter is not None:
+        reporter.write_line(line)
 
 
 @pytest.fixture(scope="module")
