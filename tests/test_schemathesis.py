@@ -62,6 +62,13 @@ def test_every_operation_answers_as_its_schema_says_and_never_5xx(case: Any) -> 
     COUNTS["cases"] += 1
     if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
         case.body["max_tokens"] = min(case.body["max_tokens"], 4)  # bounded work per case
-    response = case.call(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    # NOTE: /v1/kv/stream never ends by itself: its status and headers are checked (not its body),
+    # on two cases only, as each holds a connection until the server drops it.
+    stream = case.path == "/v1/kv/stream"
+    if stream:
+        COUNTS["streams"] = COUNTS.get("streams", 0) + 1
+        if COUNTS["streams"] > 2:
+            return
+    response = case.call(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, stream=stream)
     COUNTS["server_errors"] += response.status_code >= 500
     case.validate_response(response, checks=CHECKS)

@@ -25,9 +25,14 @@ from kvpager.api.server.disagg import ROLES, PrefillClient, PrefillSettings
 from kvpager.api.server.errors import ApiError, ApiKeyMiddleware, BodyLimit, BodyLimitMiddleware, CookieAuth
 from kvpager.api.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES, IMPORT_DISABLED, IMPORT_PATH, add_kv_routes
 from kvpager.api.server.kv_view import (
+    ASSETS,
     COOKIE_NAME,
     COOKIE_PATHS,
+    LOGIN_PATH,
+    LOGOUT_PATH,
     OPEN_VIEW_PATHS,
+    PAGE_PATH,
+    STREAM_PATH,
     KVMapSampler,
     add_kv_view_routes,
     cookie_token,
@@ -242,7 +247,13 @@ _SUCCESS_CONTENT = {
     "/v1/chat/completions": ("application/json", "text/event-stream"),
     "/metrics": ("text/plain",),
     "/v1/kv/export": ("application/octet-stream",),
+    "/": ("text/html",),
+    PAGE_PATH: ("text/html",),
+    STREAM_PATH: ("text/event-stream",),
+    **{path: (media.split(";")[0],) for path, (_, media) in ASSETS.items()},
 }
+# Routes that answer 204 No Content on success.
+_NO_CONTENT = frozenset({LOGIN_PATH, LOGOUT_PATH})
 
 
 def _customize_openapi(app: FastAPI) -> None:
@@ -261,6 +272,9 @@ def _customize_openapi(app: FastAPI) -> None:
             for path, operations in schema.get("paths", {}).items():
                 for operation in operations.values():
                     responses = operation.setdefault("responses", {})
+                    if path in _NO_CONTENT:
+                        responses.pop("200", None)
+                        responses["204"] = {"description": "No Content"}
                     if path in _SUCCESS_CONTENT:
                         responses.setdefault("200", {"description": "Successful Response"})["content"] = {
                             media: {"schema": {}} for media in _SUCCESS_CONTENT[path]
