@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,7 @@ from kvpager.core.config import EngineConfig
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.engine.async_engine import AsyncEngine, EngineDeadError
 from kvpager.engine.engine import Engine
+from kvpager.kvstore.signing import SIGNATURE_HEADER, sign_payload
 
 pytestmark = pytest.mark.slow  # a prefill and a decode server
 
@@ -33,7 +34,10 @@ pytestmark = pytest.mark.slow  # a prefill and a decode server
 BLOCK = 8
 MAX_TOKENS = 8
 KEY = "prefill-secret"
-SERVER_ARGS = ("--block-size", str(BLOCK), "--kv-cache-memory", "2MiB", "--max-num-seqs", "8")
+TRANSFER_KEY = "pair-transfer-key"
+SERVER_ARGS = (
+    "--block-size", str(BLOCK), "--kv-cache-memory", "2MiB", "--max-num-seqs", "8", "--kv-transfer-key", TRANSFER_KEY
+)  # fmt: skip
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -153,7 +157,9 @@ def test_unreachable_prefill_server_falls_back_to_local_prefill(
 # -- refusal paths, in-process -------------------------------------------------------------------
 def _fetch_with(transport: httpx.MockTransport, engine: AsyncEngine, prompt: list[int]) -> tuple[int | None, dict]:
     async def run() -> tuple[int | None, dict]:
-        client = PrefillClient(PrefillSettings("http://prefill.test"), BLOCK, transport=transport)
+        client = PrefillClient(
+            PrefillSettings("http://prefill.test"), BLOCK, transfer_key=TRANSFER_KEY, transport=transport
+        )
         try:
             return await client.fetch_into(engine, prompt), client.stats.as_dict()
         finally:
@@ -191,7 +197,8 @@ def test_payload_from_another_model_is_refused_on_import_and_falls_back(
     payload = foreign.export_kv(prompt)
 
     def serve(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=payload, headers={"content-type": "application/octet-stream"})
+        headers = {"content-type": "application/octet-stream", SIGNATURE_HEADER: sign_payload(TRANSFER_KEY, payload)}
+        return httpx.Response(200, content=payload, headers=headers)
 
     with caplog.at_level(logging.WARNING, logger="kvpager"):
         num_blocks, stats = _fetch_with(httpx.MockTransport(serve), local_engine, prompt)
@@ -219,3 +226,59 @@ def test_run_in_engine_returns_results_and_errors_on_the_engine_thread(
     stopped.shutdown()
     with pytest.raises(EngineDeadError):
         asyncio.run(stopped.run_in_engine(lambda e: None))
+
+
+@pytest.mark.parametrize(
+    ("signature", "reason"),
+    [(None, "the KV payload is unsigned"), ("hmac-sha256=" + "0" * 64, "signature does not verify")],
+)
+def test_unsigned_or_forged_prefill_payload_is_refused_and_the_output_is_unchanged(
+    local_engine: AsyncEngine, caplog: pytest.LogCaptureFixture, signature: str | None, reason: str
+) -> None:
+    """A payload for the victim prompt's tokens with another prompt's K/V (a poisoning attempt): the
+    decode server refuses it without the pair's signature, so the victim's greedy output stays."""
+    victim, other = ids(24, 20), ids(24, 21)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def greedy(prompt: list[int], rid: str) -> list[int]:
+        stream = await local_engine.add_request(prompt, params, rid)
+        return [o.outputs[0].token_ids async for o in stream][-1]
+
+    want = asyncio.run(greedy(victim, f"want-{reason[:5]}"))
+    forged = bytearray(asyncio.run(local_engine.run_in_engine(lambda e: e.export_kv(other))))
+    payload = bytes(forged)
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        headers = {SIGNATURE_HEADER: signature} if signature else {}
+        return httpx.Response(200, content=payload, headers=headers)
+
+    with caplog.at_level(logging.WARNING, logger="kvpager"):
+        num_blocks, stats = _fetch_with(httpx.MockTransport(serve), local_engine, victim)
+    assert num_blocks is None and stats["fetches_failed"] == 1
+    assert reason in caplog.text
+    assert asyncio.run(greedy(victim, f"got-{reason[:5]}")) == want
+
+
+def test_oversized_prefill_response_is_dropped_without_buffering_it_whole(local_engine: AsyncEngine) -> None:
+    sent = []
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(64):
+            sent.append(1)
+            yield b"\0" * 1024
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    async def run() -> tuple[int | None, dict]:
+        client = PrefillClient(
+            PrefillSettings("http://prefill.test"), BLOCK, 4096, TRANSFER_KEY, transport=httpx.MockTransport(serve)
+        )
+        try:
+            return await client.fetch_into(local_engine, ids(20, 22)), client.stats.as_dict()
+        finally:
+            await client.aclose()
+
+    num_blocks, stats = asyncio.run(run())
+    assert num_blocks is None and stats["fetches_failed"] == 1
+    assert len(sent) < 64  # reading stopped soon after the limit

@@ -22,12 +22,14 @@ from kvpager.api.server.app import ServerSettings, build_app
 from kvpager.core.config import EngineConfig
 from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
+from kvpager.kvstore.signing import SIGNATURE_HEADER, sign_payload
 
 pytestmark = pytest.mark.slow  # real servers
 
 
 BLOCK = 4
 KEY = "kv-secret"
+TRANSFER_KEY = "pair-transfer-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON_LIMIT = 4096
 KV_LIMIT = 64 << 10
@@ -47,7 +49,7 @@ def server_args(kv_dir: Path) -> list[str]:
     return [
         "--block-size", str(BLOCK), "--kv-cache-memory", "1MiB", "--api-key", KEY,
         "--max-request-body-bytes", str(JSON_LIMIT), "--max-kv-import-bytes", str(KV_LIMIT),
-        "--kv-cache-dir", str(kv_dir),
+        "--kv-cache-dir", str(kv_dir), "--enable-kv-import", "--kv-transfer-key", TRANSFER_KEY,
     ]  # fmt: skip
 
 
@@ -69,7 +71,7 @@ def target(llama_checkpoint: Path, kv_dir: Path, tmp_path_factory: pytest.TempPa
 def source(llama_checkpoint: Path, target: ServerProcess) -> Iterator[TestClient]:
     """The exporting server, in-process (asks for `target` so the process boots first)."""
     engine = Engine(EngineConfig(model=str(llama_checkpoint), block_size=BLOCK, kv_cache_memory=1 << 20))
-    with TestClient(build_app(AsyncEngine(engine), ServerSettings())) as client:
+    with TestClient(build_app(AsyncEngine(engine), ServerSettings(kv_transfer_key=TRANSFER_KEY))) as client:
         yield client
 
 
@@ -81,7 +83,8 @@ def completion(client: httpx.Client | TestClient, url: str, prompt: list[int], *
 
 
 def post_import(server: ServerProcess, payload: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
-    headers = AUTH if headers is None else headers
+    """POST a payload signed with the pair's transfer key (as its exporter would sign it)."""
+    headers = {**(AUTH if headers is None else headers), SIGNATURE_HEADER: sign_payload(TRANSFER_KEY, payload)}
     return httpx.post(f"{server.url}/v1/kv/import", content=payload, headers=headers, timeout=60)
 
 
@@ -93,6 +96,7 @@ def test_export_from_one_server_import_into_another_serves_cached_tokens(
     assert exported.status_code == 200, exported.text
     assert exported.headers["content-type"] == "application/octet-stream"
     assert exported.headers["x-kvpager-num-blocks"] == "10" and exported.headers["x-kvpager-num-tokens"] == "40"
+    assert exported.headers[SIGNATURE_HEADER] == sign_payload(TRANSFER_KEY, exported.content)
     assert JSON_LIMIT < len(exported.content) < KV_LIMIT  # the JSON body limit must not apply to imports
     imported = post_import(target, exported.content)
     assert imported.status_code == 200, imported.text
@@ -207,6 +211,12 @@ def test_serve_flags_validate_the_roles() -> None:
         settings("--prefill-url", "http://127.0.0.1:9")
     with pytest.raises(ValueError, match="must start with http"):
         settings("--role", "decode", "--prefill-url", "127.0.0.1:9")
-    decode = settings("--role", "decode", "--prefill-url", "http://h:1/v1/", "--max-kv-import-bytes", "2GiB")
+    with pytest.raises(ValueError, match="--role decode needs --kv-transfer-key"):
+        settings("--role", "decode", "--prefill-url", "http://h:1/v1/")
+    with pytest.raises(ValueError, match="--enable-kv-import needs --kv-transfer-key"):
+        settings("--enable-kv-import")
+    decode = settings(
+        "--role", "decode", "--prefill-url", "http://h:1/v1/", "--max-kv-import-bytes", "2GiB", "--kv-transfer-key", "k"
+    )  # fmt: skip
     assert decode.prefill is not None and decode.prefill.base_url == "http://h:1"
     assert decode.max_kv_import_bytes == 2 << 30 and settings().max_kv_import_bytes == 1 << 30

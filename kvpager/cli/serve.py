@@ -25,6 +25,9 @@ logger = logging.getLogger("kvpager.api.server")
 
 API_KEY_ENV = "KVPAGER_API_KEY"
 PREFILL_API_KEY_ENV = "KVPAGER_PREFILL_API_KEY"
+KV_TRANSFER_KEY_ENV = "KVPAGER_KV_TRANSFER_KEY"
+# Requests waiting for a slot before new ones get 503 + Retry-After (each holds its prompt in memory).
+DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-waiting-requests",
         type=int,
-        default=None,
-        help="503 + Retry-After when this many requests wait (default: unbounded)",
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help=f"503 + Retry-After when this many requests wait (default: {DEFAULT_MAX_WAITING_REQUESTS})",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -89,6 +92,16 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
         type=bytes_arg,
         default=DEFAULT_MAX_KV_IMPORT_BYTES,
         help="413 above this on /v1/kv/import (default 1GiB)",
+    )
+    g.add_argument(
+        "--enable-kv-import",
+        action="store_true",
+        help="accept POST /v1/kv/import (off by default; needs --kv-transfer-key; see docs/security.md)",
+    )
+    g.add_argument(
+        "--kv-transfer-key",
+        default=None,
+        help=f"HMAC key shared by a prefill/decode pair: exports are signed, imports verified (default: ${KV_TRANSFER_KEY_ENV})",
     )
     g.add_argument(
         "--role",
@@ -134,6 +147,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         role=args.role,
         prefill=prefill,
         tool_call_parser=args.tool_call_parser,
+        enable_kv_import=args.enable_kv_import,
+        kv_transfer_key=args.kv_transfer_key or os.environ.get(KV_TRANSFER_KEY_ENV) or None,
     )
 
 
@@ -194,6 +209,10 @@ def _serve(args: argparse.Namespace, config: object, settings: ServerSettings) -
 
     async_engine, app = build_server(args, config, settings)
     engine = async_engine.engine
+    if settings.role == "prefill" and not settings.kv_transfer_key:
+        logger.warning(
+            "--role prefill without --kv-transfer-key: exports are unsigned, decode servers will refuse them"
+        )
     logger.info(
         "serving %s on http://%s:%d/v1 (role %s%s)",
         settings.served_model_names or [engine.model_name],

@@ -6,7 +6,9 @@ Torch-free on purpose: the planner, the scheduler and the CLI read it without im
 from __future__ import annotations
 
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvpager.core.limits import RequestLimits
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -70,6 +72,7 @@ class EngineConfig:
     kv_packs: tuple[str, ...] = ()  # KV pack files pinned in the prefix cache at start
     kv_cache_remote: str | None = None  # redis://HOST:PORT of a Redis/Valkey store shared by replicas; None: off
     kv_cache_remote_timeout: float = 1.0  # seconds per store call; a slower store is a miss (recompute)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # per-request work bounds (admission)
 
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

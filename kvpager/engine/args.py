@@ -14,6 +14,14 @@ from kvpager.core.config import (
     LOAD_FORMATS,
     EngineConfig,
 )
+from kvpager.core.limits import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    RequestLimits,
+)
 
 
 def parse_bytes(text: str) -> int:
@@ -75,6 +83,26 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
         "times faster batched steps, ~3 significant digits per product)",
     )
     add_kv_storage_args(parser)
+    add_request_limit_args(parser)
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Per-request work bounds (kvpager.core.limits): a request over one is refused naming the flag."""
+    g = parser.add_argument_group("per-request limits")
+    g.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS, help="top logprobs per token")
+    g.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS, help="stop strings per request")
+    g.add_argument(
+        "--max-stop-string-chars", type=int, default=DEFAULT_MAX_STOP_STRING_CHARS, help="characters per stop string"
+    )
+    g.add_argument(
+        "--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS, help="stop_token_ids per request"
+    )
+    g.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="prompts x n of one request",
+    )
 
 
 def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
@@ -134,4 +162,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_packs=tuple(args.kv_packs or ()),
         kv_cache_remote=args.kv_cache_remote,
         kv_cache_remote_timeout=args.kv_cache_remote_timeout,
+        request_limits=RequestLimits(
+            max_logprobs=args.max_logprobs,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_sequences_per_request=args.max_sequences_per_request,
+        ),
     )

@@ -4,7 +4,9 @@ The `Engine` is not thread-safe, so exactly one thread (the loop thread) ever to
 any asyncio event loop hand it work through an inbox (adds and aborts) guarded by a condition
 variable; the loop thread drains the inbox before each step, runs `engine.step()` while there is
 work and sleeps on the condition otherwise (no busy loop). Outputs go back to per-request
-`asyncio.Queue`s through `loop.call_soon_threadsafe`, so model compute never blocks an event loop.
+streams through `loop.call_soon_threadsafe`, so model compute never blocks an event loop.
+A stream holds at most one undelivered output (newer ones merge into it, `merge_outputs`), so a
+reader that never reads costs one output's memory, not one copy per step.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpager.core.outputs import RequestOutput
 from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.output_processor import merge_outputs
 
 logger = logging.getLogger("kvpager.engine.async_engine")
 
@@ -63,7 +67,8 @@ class RequestStream:
         self.finished = False
         self._owner = owner
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: deque[RequestOutput | BaseException] = deque()  # at most one output, then an error
+        self._ready = asyncio.Event()
         self.added: asyncio.Future[None] = loop.create_future()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -72,7 +77,10 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._queue.get()
+                while not self._pending:
+                    self._ready.clear()
+                    await self._ready.wait()
+                item = self._pending.popleft()
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
@@ -92,9 +100,18 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         """Called on the loop thread: hand an item to the consumer's event loop."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._offer, item)
         except RuntimeError:  # the consumer's event loop is closed; nobody is listening
             pass
+
+    def _offer(self, item: RequestOutput | BaseException) -> None:
+        """On the consumer's loop: queue `item`, merged into an output the reader has not taken yet."""
+        last = self._pending[-1] if self._pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._pending[-1] = merge_outputs(last, item)
+        else:
+            self._pending.append(item)
+        self._ready.set()
 
     def _resolve_added(self, error: BaseException | None) -> None:
         def resolve() -> None:
@@ -241,6 +258,12 @@ class AsyncEngine:
             self._inbox.commands.append(_Call(fn, future, loop))
             self._cond.notify()
         return await future
+
+    async def import_kv(self, payload: bytes, max_bytes: int | None = None) -> int:
+        """Import a KV payload: checked and decoded on a worker thread, inserted on the loop thread
+        between steps. Returns the blocks imported; ValueError naming the problem (nothing imported)."""
+        pack = await asyncio.to_thread(self.engine.decode_kv, payload, max_bytes)
+        return int(await self.run_in_engine(lambda e: e.insert_kv(pack, len(payload))))
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op when it is unknown or finished)."""

@@ -19,11 +19,12 @@ from kvpager.core.outputs import RequestOutput
 from kvpager.core.request import Request, RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler, SchedulerConfig
-from kvpager.engine.kv_transfer import KVTransfer
+from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
+from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
 from kvpager.engine.loading import LoadedModel, load, log_pool
 from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
-from kvpager.kvstore.pack import ModelFacts, PackExpectation
+from kvpager.kvstore.pack import ModelFacts, Pack, PackExpectation
 from kvpager.kvstore.remote import RemotePublisher
 from kvpager.worker.runner import ModelRunner
 from kvpager.worker.structured import GrammarCompiler
@@ -109,6 +110,14 @@ class Engine:
         self._is_shut_down = False
         self._changed: dict[str, None] = {}  # parents with output not reported yet (see `step`)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, lm.max_model_len)
+        self._admission = AdmissionContext(
+            vocab_size=lm.spec.vocab_size,
+            max_model_len=lm.max_model_len,
+            limits=config.request_limits,
+            encode=self.tokenizer.encode,
+            parent_in_use=lambda rid: rid in self.outputs.parents,
+            sequence_in_use=lambda sid: sid in self.scheduler.requests or sid in self.outputs.seqs,
+        )
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         log_pool(lm.pool, lm.max_model_len)
@@ -124,40 +133,31 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem; nothing is queued then."""
-        if request_id in self.outputs.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate_prompt(prompt_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        if max_tokens < 1:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens and the prompt has "
-                f"{len(prompt_ids)} tokens, which leaves no room for output"
-            )
+        """Queue a request. Raises ValueError naming the problem; the engine is unchanged then.
+
+        Every check runs first (`admission.admit`, which changes nothing); should queueing still
+        fail part-way, what was queued is undone before the error propagates.
+        """
+        adm = admit(self._admission, request_id, prompt, params, arrival_time)
         if params.structured is not None:
             self._compile_grammar(params)
-        child_params = replace(params, max_tokens=max_tokens)
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        requests = [
-            Request(RequestId(seq_id), list(prompt_ids), _child_params(child_params, i), arrival_time=arrival)
-            for i, seq_id in enumerate(seq_ids)
-        ]
-        for req in requests:
-            # NOTE: a cached prefix has no logits: prompt logprobs recompute the whole prompt (as vLLM).
-            req.skip_reading_prefix_cache = req.sampling_params.prompt_logprobs is not None
-        added: list[str] = []
+        queued: list[str] = []
         try:
-            for req in requests:
+            for req in adm.requests:
+                queued.append(req.request_id)
                 self.scheduler.add_request(req)
-                added.append(req.request_id)
-        except ValueError:
-            for seq_id in added:
-                self.scheduler.abort_request(RequestId(seq_id))
+            self.outputs.add_request(
+                request_id, adm.prompt_text, adm.prompt_ids, adm.params, adm.max_tokens, adm.seq_ids, adm.arrival_time
+            )
+        except BaseException:
+            self._undo_admission(request_id, queued)
             raise
-        self.outputs.add_request(request_id, prompt_text, prompt_ids, child_params, max_tokens, seq_ids, arrival)
-        self._prompt_tokens_total += len(prompt_ids)
+        self._prompt_tokens_total += len(adm.prompt_ids)
+
+    def _undo_admission(self, request_id: str, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.scheduler.abort_request(RequestId(seq_id))  # NOTE: the runner meets requests only in a step
+        self.outputs.discard(request_id, seq_ids)
 
     def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile (or find cached) a structured-output grammar; ValueError when it is invalid.
@@ -249,7 +249,7 @@ class Engine:
             tokenizer_digest=self.tokenizer.tokenizer_digest(),
             weights_digest=lm.weights_digest,
         )
-        return PackExpectation(model_fingerprint=lm.fingerprint.hex(), model=facts)
+        return PackExpectation(model_fingerprint=lm.fingerprint.hex(), model=facts, max_tokens=self.max_model_len)
 
     def export_kv(self, prompt: str | list[int], codec: str = "lossless") -> bytes:
         """KV pack bytes of the prompt's full blocks, prefilling those not cached (ValueError on bad input).
@@ -283,7 +283,7 @@ class Engine:
                 break
             if not self.scheduler.num_loading:
                 self.scheduler.abort_request(request_id)
-                raise ValueError(
+                raise KVPoolBusyError(
                     f"not enough free KV blocks to prefill {len(token_ids)} tokens for export; "
                     "retry when the engine is less busy or give the KV pool more memory"
                 )
@@ -297,6 +297,15 @@ class Engine:
         another model (fingerprint, dtype, block size, tokenizer, ...). Call between steps.
         """
         return self.kv_transfer.import_payload(payload, max_bytes)
+
+    def decode_kv(self, payload: bytes, max_bytes: int | None = None) -> Pack:
+        """The checks and decoding of `import_kv` without touching engine state: safe on any thread,
+        so a server decodes off the engine thread and inserts with `insert_kv` between steps."""
+        return self.kv_transfer.decode_payload(payload, max_bytes)
+
+    def insert_kv(self, pack: Pack, num_bytes: int) -> int:
+        """Insert a pack from `decode_kv` into the prefix cache (call between steps)."""
+        return self.kv_transfer.insert_payload(pack, num_bytes)
 
     def kv_tier_stats(self) -> KVTierStats:
         """Per-tier hits, misses, bytes held, evictions, load/save times and bytes moved."""
@@ -327,32 +336,7 @@ class Engine:
 
     # ---- helpers --------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be a string or a list of integer token ids")
-        return None, list(prompt)
+        return tokenize(self._admission, prompt)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        vocab = self.model_spec.vocab_size
-        bad = [t for t in prompt_ids if t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{vocab - 1})")
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"has {len(prompt_ids)} tokens. Please reduce the length of the prompt."
-            )
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible; only
-    sample 0 computes prompt logprobs (the others may then share the prompt's cached blocks)."""
-    if index == 0:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, seed=seed, prompt_logprobs=None)
+        check_prompt_ids(prompt_ids, self.model_spec.vocab_size, self.max_model_len)

@@ -30,6 +30,7 @@ from kvpager.kvstore.pack import (
     decode_payload,
     encode_payload,
     read_pack,
+    regular_file_size,
 )
 
 
@@ -53,6 +54,10 @@ class PackSource:
             self.store.wait_for_copies()
         self.io.write_block(block_id, self.blocks[block_hash])
         return True
+
+
+class KVPoolBusyError(ValueError):
+    """The KV pool has no free blocks for an export's prefill right now; retry later (HTTP 503)."""
 
 
 class KVTransfer:
@@ -103,14 +108,28 @@ class KVTransfer:
         ValueError (nothing imported) on oversize, corruption, another model, or forged hashes.
         """
         start = time.perf_counter()
+        return self.insert_payload(self.decode_payload(data, max_bytes), len(data), start)
+
+    def decode_payload(self, data: bytes, max_bytes: int | None = None) -> Pack:
+        """Check and decode a payload without touching the engine (safe on any thread).
+
+        ValueError (nothing imported) on oversize, corruption, another model, forged hashes, NaN/Inf
+        values, or more token ids than the engine's max_model_len.
+        """
         pack = decode_payload(data, self.expectation, max_bytes, device="cpu", source="payload")
         self.check_hashes(pack, "payload")
+        return pack
+
+    def insert_payload(self, pack: Pack, num_bytes: int, start: float | None = None) -> int:
+        """Put a decoded payload's blocks into the prefix cache (engine thread); returns how many."""
+        start = time.perf_counter() if start is None else start
+        data_len = num_bytes
         num_imported = len(self._insert(pack, pin=False))
         if self.store is not None:
             for block_hash, block in pack.blocks[num_imported:]:
                 self.store.put(block_hash, block)
             num_imported = len(pack.blocks)
-        self._count(self.imported, num_imported, len(data), start)
+        self._count(self.imported, num_imported, data_len, start)
         return num_imported
 
     def load_pack(self, path: str | os.PathLike[str]) -> int:
@@ -126,7 +145,7 @@ class KVTransfer:
                 "give the pool more memory (--kv-cache-memory) or load fewer packs"
             )
         self.pinned_block_ids.extend(block_ids)
-        self._count(self.imported, len(block_ids), os.path.getsize(path), start)
+        self._count(self.imported, len(block_ids), regular_file_size(path), start)
         return len(block_ids)
 
     def check_hashes(self, pack: Pack, source: str) -> None:

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvpager.core.config import DTYPE_BYTES, EngineConfig
-from kvpager.core.hashing import model_fingerprint
+from kvpager.core.hashing import HASH_SCHEME
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
-from kvpager.model.loader import load_model
+from kvpager.model.loader import DUMMY_STD, load_model
 from kvpager.model.spec import ModelSpec, load_model_spec, spec_from_gguf
 from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
 from kvpager.text.tokenizer import Tokenizer
@@ -26,6 +28,25 @@ logger = logging.getLogger("kvpager")
 
 # Activations and allocator slack kept free on CUDA when the budget is derived from free memory.
 CUDA_ACTIVATION_RESERVE = 1 << 30
+# The seed `load_model` draws dummy weights from (its default; named here for the fingerprint).
+DUMMY_WEIGHTS_SEED = 0
+# config.json keys that never change the forward pass, so never the KV: metadata and generation
+# defaults. Every other key (rope, norms, heads, dims, window, quantization, ...) is fingerprinted.
+CONFIG_KEYS_NOT_FINGERPRINTED = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+FingerprintComponent = tuple[str, str]  # (name, value): one thing the KV contents depend on
 
 
 @dataclass(frozen=True)
@@ -41,7 +62,7 @@ class LoadedModel:
     fingerprint: bytes
     max_model_len: int
     pool: PoolSize
-    weights_digest: str = ""  # what the fingerprint names the weights by ("dummy" for dummy weights)
+    weights_digest: str = ""  # what the fingerprint names the weights by ("dummy-<seed and shapes>" for dummy)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,17 +105,20 @@ def load(config: EngineConfig) -> LoadedModel:
             "raise --kv-cache-memory or lower --block-size"
         )
     if config.load_format == "dummy":
-        weights_digest = "dummy"
+        weights_digest = dummy_weights_digest(model, DUMMY_WEIGHTS_SEED)
     elif gguf_model is not None:
         weights_digest = f"gguf:{gguf_model.digest()}"  # tensor data and hyper-parameters (kvpager.gguf)
     else:
         weights_digest = weights_file_digest(model_dir)
     fingerprint = model_fingerprint(
-        spec.architecture,
-        weights_digest,
-        config.resolved_kv_cache_dtype,
-        config.block_size,
-        tokenizer.tokenizer_digest(),
+        base_fingerprint_components(
+            config,
+            spec,
+            model_dir,
+            weights_digest,
+            tokenizer.tokenizer_digest(),
+            config_in_weights=gguf_model is not None,
+        )
     )
     return LoadedModel(
         model_dir,
@@ -154,6 +178,66 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def base_fingerprint_components(
+    config: EngineConfig,
+    spec: ModelSpec,
+    model_dir: Path,
+    weights_digest: str,
+    tokenizer_digest: str,
+    *,
+    config_in_weights: bool = False,
+) -> list[FingerprintComponent]:
+    """What the KV contents of a token prefix depend on, as named components for `model_fingerprint`.
+
+    NOTE: a loader that changes the KV further (a quantization scheme, a GGUF file) appends its own
+    component, e.g. ("quantization", digest), to this list before the fingerprint is taken.
+    """
+    return [
+        ("architecture", spec.architecture),
+        # a GGUF file has no config.json: its hyper-parameters are part of its weights digest
+        ("config", "in-weights" if config_in_weights else config_digest(model_dir)),
+        ("weights", weights_digest),
+        ("compute_dtype", config.dtype),
+        ("fp32_matmul_precision", config.fp32_matmul_precision),
+        ("kv_cache_dtype", config.resolved_kv_cache_dtype),
+        ("block_size", str(config.block_size)),
+        ("tokenizer", tokenizer_digest),
+    ]
+
+
+def model_fingerprint(components: Sequence[FingerprintComponent]) -> bytes:
+    """The root of every block-hash chain: sha256 over the named components (order does not matter;
+    each name at most once). Blocks, packs and disk records match only under the same fingerprint."""
+    names = [name for name, _ in components]
+    if len(set(names)) != len(names):
+        raise ValueError(f"fingerprint components must have distinct names, got {names}")
+    fields = {"scheme": HASH_SCHEME, "components": {name: str(value) for name, value in components}}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")).digest()
+
+
+def config_digest(model_dir: Path) -> str:
+    """sha256 of config.json's canonical JSON without the keys that never change the forward pass."""
+    path = model_dir / "config.json"
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {str(path)!r} for the model fingerprint: {error}") from error
+    kept = (
+        {k: v for k, v in fields.items() if k not in CONFIG_KEYS_NOT_FINGERPRINTED}
+        if isinstance(fields, dict)
+        else fields
+    )
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def dummy_weights_digest(model: CausalLM, seed: int) -> str:
+    """Dummy weights are a function of their seed, std and the parameter shapes: name them by those."""
+    h = hashlib.sha256(f"dummy seed={seed} std={DUMMY_STD}".encode())
+    for name, param in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+    return "dummy-" + h.hexdigest()
 
 
 def weights_file_digest(model_dir: Path) -> str:

@@ -8,7 +8,7 @@ scheduler. Torch-free.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpager.core.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from kvpager.core.sampling_params import SamplingParams
@@ -77,6 +77,14 @@ class OutputProcessor:
                 stop_checker=StopChecker(stops, params.include_stop_str_in_output),
                 output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
             )
+
+    def discard(self, request_id: str, seq_ids: list[str]) -> None:
+        """Forget a request that was never started (admission undo); no output is produced."""
+        self.parents.pop(request_id, None)
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.parent_id == request_id:
+                del self.seqs[seq_id]
 
     def process_token(
         self, seq_id: str, token_id: int, logprobs: PositionLogprobs | None, num_cached_tokens: int, now: float
@@ -209,3 +217,23 @@ def _snapshot(out: CompletionOutput) -> CompletionOutput:
         delta_token_ids=list(out.delta_token_ids),
         delta_logprobs=list(out.delta_logprobs) if out.delta_logprobs is not None else None,
     )
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output equivalent to delivering `older` then `newer`: per sample, the deltas are joined and
+    everything else (text so far, token ids, finish reason) is the newer value."""
+    samples: dict[int, CompletionOutput] = {o.index: o for o in older.outputs}
+    for out in newer.outputs:
+        prev = samples.get(out.index)
+        if prev is not None:
+            delta_logprobs = out.delta_logprobs
+            if prev.delta_logprobs is not None:
+                delta_logprobs = prev.delta_logprobs + (out.delta_logprobs or [])
+            out = replace(
+                out,
+                delta_text=prev.delta_text + out.delta_text,
+                delta_token_ids=prev.delta_token_ids + out.delta_token_ids,
+                delta_logprobs=delta_logprobs,
+            )
+        samples[out.index] = out
+    return replace(newer, outputs=[samples[i] for i in sorted(samples)])

@@ -8,8 +8,11 @@ Layout (docs/kv-pack-format.md has the full description; integers little-endian)
     header_sha256  32 bytes  sha256 of the header bytes
     payloads       the blocks' encoded bytes, concatenated in header order
 
-Reading checks, in order: magic, header checksum, format version, the expected model (every
-differing field is named), the file's size, then each block's sha256 (the bad block is named).
+Reading checks, in order: magic, header length (bounded by the token count the reader allows),
+header checksum, format version, the expected model (every differing field is named), the token
+count, the file's size, then each block's sha256 (the bad block is named) and that every decoded
+value is finite (NaN/Inf K/V would poison every request that reuses the block). Pack files must be
+regular files: a device, FIFO or directory is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -40,6 +44,11 @@ MAX_HEADER_BYTES = 64 * 1024 * 1024
 _PREFIX = struct.Struct("<8sQ")  # magic, header_len
 _DIGEST_BYTES = 32
 _INT_FACTS = ("block_size", "num_layers", "num_kv_heads", "head_dim")
+# Header bytes a reader allows per token id (digits, comma) and per block entry (hash, sha256, size),
+# plus the fixed part, when it bounds the token count (`max_tokens`); the JSON is parsed only then.
+_HEADER_BYTES_PER_TOKEN = 12
+_HEADER_BYTES_PER_BLOCK = 256
+_HEADER_FIXED_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -75,10 +84,14 @@ class PackHeader:
 
 @dataclass(frozen=True)
 class PackExpectation:
-    """What the loading engine is: a pack is refused unless every field matches."""
+    """What the loading engine is: a pack is refused unless every field matches.
+
+    `max_tokens` (the engine's max_model_len) bounds the token ids a pack may carry; None: unbounded.
+    """
 
     model_fingerprint: str
     model: ModelFacts
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -156,12 +169,24 @@ def decode_payload(
     max_bytes: int | None = None,
     device: Device = "cpu",
     source: str = "payload",
+    max_tokens: int | None = None,
 ) -> Pack:
-    """Check and decode pack bytes (ValueError naming the problem: size, model field, bad block)."""
+    """Check and decode pack bytes (ValueError naming the problem: size, model field, bad block).
+
+    `max_tokens` bounds the header's token ids (an importing engine passes its max_model_len); the
+    header length is bounded accordingly before any JSON is parsed.
+    """
     if max_bytes is not None and len(data) > max_bytes:
         raise ValueError(f"KV {source} is {len(data)} bytes, over the limit of {max_bytes} bytes")
-    fields, payload_start = _read_header(data, source)
+    if max_tokens is None and expected is not None:
+        max_tokens = expected.max_tokens
+    fields, payload_start = _read_header(data, source, _max_header_bytes(expected, max_tokens))
     header, codec_name, entries = _parse_header(fields, source)
+    if max_tokens is not None and len(header.token_ids) > max_tokens:
+        raise ValueError(
+            f"KV {source} covers {len(header.token_ids)} token ids, more than this model's maximum context "
+            f"length of {max_tokens}"
+        )
     if expected is not None:
         check_expectation(header, expected, source)
     total = sum(entry["size"] for entry in entries)
@@ -182,6 +207,8 @@ def decode_payload(
             block = codec.decode(payload, shape, dtype, device)
         except ValueError as error:
             raise ValueError(f"KV {source}: block {index} cannot be decoded: {error}") from error
+        if block.is_floating_point() and not bool(torch.isfinite(block).all()):
+            raise ValueError(f"KV {source}: block {index} holds NaN or Inf values and is refused")
         blocks.append((BlockHash(bytes.fromhex(entry["hash"])), block))
     return Pack(header=header, codec=codec_name, blocks=blocks)
 
@@ -193,15 +220,34 @@ def read_pack(
     max_bytes: int | None = None,
 ) -> Pack:
     """Read, check and decode a pack file (see `decode_payload`)."""
-    size = os.path.getsize(path)
+    size = regular_file_size(path)
     if max_bytes is not None and size > max_bytes:
         raise ValueError(f"KV pack {path} is {size} bytes, over the limit of {max_bytes} bytes")
-    return decode_payload(Path(path).read_bytes(), expected, None, device, source=f"pack {path}")
+    with open(path, "rb") as file:
+        data = file.read(size + 1)  # NOTE: bounded by the size seen, should the file grow meanwhile
+    if len(data) != size:
+        raise ValueError(f"KV pack {path} changed size while it was read ({size} -> {len(data)}+ bytes)")
+    return decode_payload(data, expected, None, device, source=f"pack {path}")
+
+
+def regular_file_size(path: str | os.PathLike[str]) -> int:
+    """The size of a regular file; ValueError for a missing path, a directory, a device, a FIFO, ...
+
+    NOTE: checked with stat before opening: opening a FIFO blocks, and /dev/zero never ends.
+    """
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        raise ValueError(f"KV pack {path} cannot be read: {error.strerror or error}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file (a device, FIFO or socket)"
+        raise ValueError(f"KV pack {path} is {kind}; pass a pack file written by `kvpager kv save`")
+    return info.st_size
 
 
 def inspect_pack(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The header of a pack file plus its sizes, without reading or decoding the payloads."""
-    size = os.path.getsize(path)
+    size = regular_file_size(path)
     with open(path, "rb") as file:
         prefix = file.read(_PREFIX.size)
         header_len = _check_prefix(prefix, size, f"pack {path}")
@@ -221,17 +267,27 @@ def check_expectation(header: PackHeader, expected: PackExpectation, source: str
         raise ValueError(f"KV {source} was made for a different model and is refused; " + "; ".join(diffs))
 
 
-def _check_prefix(prefix: bytes, size: int, source: str) -> int:
+def _max_header_bytes(expected: PackExpectation | None, max_tokens: int | None) -> int:
+    if max_tokens is None:
+        return MAX_HEADER_BYTES
+    block_size = expected.model.block_size if expected is not None else 1
+    per_blocks = (max_tokens // block_size + 1) * _HEADER_BYTES_PER_BLOCK
+    return min(MAX_HEADER_BYTES, _HEADER_FIXED_BYTES + max_tokens * _HEADER_BYTES_PER_TOKEN + per_blocks)
+
+
+def _check_prefix(prefix: bytes, size: int, source: str, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
     if len(prefix) < _PREFIX.size or prefix[:8] != PACK_MAGIC:
         raise ValueError(f"KV {source} is not a kvpager KV pack (bad magic)")
     (header_len,) = struct.unpack_from("<Q", prefix, 8)
-    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len + _DIGEST_BYTES > size:
+    if header_len > max_header_bytes:
+        raise ValueError(f"KV {source}: header of {header_len} bytes is over the limit of {max_header_bytes} bytes")
+    if _PREFIX.size + header_len + _DIGEST_BYTES > size:
         raise ValueError(f"KV {source} is truncated or its header length {header_len} is invalid")
     return int(header_len)
 
 
-def _read_header(data: bytes, source: str) -> tuple[dict[str, Any], int]:
-    header_len = _check_prefix(data[: _PREFIX.size], len(data), source)
+def _read_header(data: bytes, source: str, max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int]:
+    header_len = _check_prefix(data[: _PREFIX.size], len(data), source, max_header_bytes)
     end = _PREFIX.size + header_len
     header_bytes, digest = data[_PREFIX.size : end], data[end : end + _DIGEST_BYTES]
     if hashlib.sha256(header_bytes).digest() != digest:
@@ -240,6 +296,8 @@ def _read_header(data: bytes, source: str) -> tuple[dict[str, Any], int]:
         fields = json.loads(header_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"KV {source}: header is not valid JSON: {error}") from error
+    except RecursionError:  # a deeply nested header: json recurses once per level
+        raise ValueError(f"KV {source}: header is nested too deeply to be a KV pack header") from None
     if not isinstance(fields, dict):
         raise ValueError(f"KV {source}: header is not a JSON object")
     return fields, end + _DIGEST_BYTES
@@ -275,7 +333,7 @@ def _parse_header(fields: dict[str, Any], source: str) -> tuple[PackHeader, str,
         model_fingerprint=_field(fields, "model_fingerprint", str, source),
         model=facts,
         token_ids=tuple(token_ids),
-        created_at=float(_field(fields, "created_at", (int, float), source)),
+        created_at=_finite_float(_field(fields, "created_at", (int, float), source), "created_at", source),
         kvpager_version=_field(fields, "kvpager_version", str, source),
         format_version=version,
     )
@@ -288,6 +346,16 @@ def _parse_header(fields: dict[str, Any], source: str) -> tuple[PackHeader, str,
     if len(entries) > len(token_ids) // facts.block_size:
         raise ValueError(f"KV {source}: {len(entries)} blocks but only {len(token_ids)} token ids")
     return header, codec_name, entries
+
+
+def _finite_float(value: int | float, key: str, source: str) -> float:
+    try:
+        result = float(value)
+    except OverflowError:
+        result = float("inf")
+    if result != result or result in (float("inf"), float("-inf")):
+        raise ValueError(f"KV {source}: header field {key!r} is not a finite number")
+    return result
 
 
 def _block_entry(entry: Any, index: int, source: str) -> dict[str, Any]:

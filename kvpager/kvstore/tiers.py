@@ -172,6 +172,7 @@ class DiskTier:
     ) -> None:
         if max_bytes < 0:
             raise ValueError(f"disk KV max bytes must be >= 0, got {max_bytes}")
+        _check_directory(Path(directory))
         self.root = Path(directory) / fingerprint.hex()[:16]
         self.max_bytes = max_bytes
         self.fingerprint = fingerprint
@@ -406,3 +407,15 @@ class KVTiers:
         if self.disk is not None:
             for block_hash, encoded in spilled:
                 self.disk.put_encoded(block_hash, encoded)
+
+
+def _check_directory(directory: Path) -> None:
+    """ValueError unless `directory` is a writable directory or can be created as one."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--kv-cache-dir {str(directory)!r} exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--kv-cache-dir {str(directory)!r} cannot be created: {error.strerror or error}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"--kv-cache-dir {str(directory)!r} is not writable")

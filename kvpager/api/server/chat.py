@@ -6,6 +6,7 @@ Structured output (`response_format`, vLLM's guided_* / structured_outputs) and 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +30,16 @@ from kvpager.api.server.protocol import (
     ResponseToolCall,
     error_body,
 )
-from kvpager.api.server.serving import EngineStreamingResponse, Finals, Prompt, RequestStream, Serving, new_id, sse
+from kvpager.api.server.serving import (
+    OFFLOAD_CHARS,
+    EngineStreamingResponse,
+    Finals,
+    Prompt,
+    RequestStream,
+    Serving,
+    new_id,
+    sse,
+)
 from kvpager.api.server.tools import (
     ToolPlan,
     held_back,
@@ -64,7 +74,7 @@ async def create_chat_completion(
                 400, "tool_choice required/named cannot be combined with response_format", param="tool_choice"
             )
         structured = plan.constraint
-    prompt = _prompt(serving, req, default_template)
+    prompt = await _prompt_async(serving, req, default_template)
     if structured is not None:
         await serving.compile_grammar(structured)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -93,6 +103,17 @@ async def create_chat_completion(
     return JSONResponse(response.model_dump())
 
 
+async def _prompt_async(serving: Serving, req: ChatCompletionRequest, template: str | None) -> Prompt:
+    """`_prompt`, off the event loop for large conversations (rendering and tokenizing a long one
+    would stall every other stream)."""
+    size = sum(
+        len(m.content) if isinstance(m.content, str) else OFFLOAD_CHARS * (m.content is not None) for m in req.messages
+    )
+    if size > OFFLOAD_CHARS or len(req.messages) > 256:
+        return await asyncio.to_thread(_prompt, serving, req, template)
+    return _prompt(serving, req, template)
+
+
 def _prompt(serving: Serving, req: ChatCompletionRequest, template: str | None) -> Prompt:
     """The rendered chat prompt: messages (tool calls and results too), tools, template kwargs."""
     kwargs = dict(req.chat_template_kwargs or {})
@@ -107,7 +128,7 @@ def _prompt(serving: Serving, req: ChatCompletionRequest, template: str | None) 
     if tools is not None:
         kwargs["tools"] = tools
     text = serving.render_dicts(messages, req.add_generation_prompt, template, kwargs)
-    return Prompt(serving.tokenizer.encode(text, add_special_tokens=False), text)
+    return Prompt(serving.encode(text, add_special_tokens=False), text)
 
 
 def _logprobs(serving: Serving, positions: list[PositionLogprobs] | None) -> ChatLogprobs:

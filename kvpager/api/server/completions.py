@@ -36,7 +36,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
         raise ApiError(
             400, "max_tokens=0 needs echo=true (it scores the prompt without generating)", param="max_tokens"
         )
-    prompts = serving.completion_prompts(req.prompt)
+    prompts = await serving.completion_prompts_async(req.prompt, req.n)
     structured = structured_spec(req)
     if structured is not None:
         await serving.compile_grammar(structured)

@@ -7,14 +7,21 @@ cannot differ) and imports the payload on the engine thread. The request is then
 its full blocks are prefix-cache hits, so only the partial last block (at most `block_size - 1`
 tokens, plus the last one) is computed here, and decoding runs locally.
 
+Both servers share `--kv-transfer-key`: the prefill server signs every export with it and the
+client refuses a payload whose signature does not verify (docs/security.md), so only KV the prefill
+server computed can enter this server's prefix cache. The response is read in chunks and dropped
+once it passes `--max-kv-import-bytes`, never buffered whole first.
+
 Any failure — the prefill server is unreachable, times out, answers non-200, or sends a payload the
-local engine refuses (another model's fingerprint, corrupted, oversize) — falls back to a local
+local engine refuses (unsigned or forged, another model's fingerprint, corrupted, oversize) — falls back to a local
 prefill: the request is served exactly as by a `--role both` server, and the reason is logged as a
 WARNING on the `kvpager` logger and counted in `/metrics` (`kvpager:kv_fetches_failed`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +30,7 @@ from typing import Any
 import httpx
 
 from kvpager.engine.async_engine import AsyncEngine
+from kvpager.kvstore.signing import SIGNATURE_HEADER, verify_payload
 
 logger = logging.getLogger("kvpager")
 
@@ -78,9 +86,11 @@ class PrefillClient:
         settings: PrefillSettings,
         block_size: int,
         max_import_bytes: int | None = None,
+        transfer_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.settings = settings
+        self.transfer_key = transfer_key
         self.block_size = block_size
         self.max_import_bytes = max_import_bytes
         self.stats = DisaggStats()
@@ -100,7 +110,7 @@ class PrefillClient:
         start = time.perf_counter()
         try:
             payload = await self._fetch(token_ids)
-            num_blocks = await engine.run_in_engine(lambda e: e.import_kv(payload, self.max_import_bytes))
+            num_blocks = await engine.import_kv(payload, self.max_import_bytes)
         except (PrefillError, ValueError, httpx.HTTPError) as exc:
             self.stats.fetches_failed += 1
             logger.warning(
@@ -116,11 +126,36 @@ class PrefillClient:
         return int(num_blocks)
 
     async def _fetch(self, token_ids: list[int]) -> bytes:
+        if not self.transfer_key:
+            raise PrefillError("no --kv-transfer-key is set, so no payload can be verified")
         body = {"prompt_token_ids": list(token_ids), "codec": self.settings.codec}
-        resp = await self._client.post("/v1/kv/export", json=body)
-        if resp.status_code != 200:
-            raise PrefillError(f"the prefill server answered HTTP {resp.status_code}: {_error_message(resp)}")
-        return resp.content
+        async with self._client.stream("POST", "/v1/kv/export", json=body) as resp:
+            payload = await self._read_bounded(resp)
+            if resp.status_code != 200:
+                raise PrefillError(f"the prefill server answered HTTP {resp.status_code}: {_error_message(payload)}")
+            signature = resp.headers.get(SIGNATURE_HEADER)
+        try:
+            await asyncio.to_thread(verify_payload, self.transfer_key, payload, signature)
+        except ValueError as exc:
+            raise PrefillError(f"the prefill server's payload was refused: {exc}") from exc
+        return payload
+
+    async def _read_bounded(self, resp: httpx.Response) -> bytes:
+        """The response body, read in chunks; PrefillError as soon as it passes the import limit."""
+        limit = self.max_import_bytes
+        declared = resp.headers.get("content-length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            raise PrefillError(
+                f"the prefill server's payload of {declared} bytes is over --max-kv-import-bytes {limit}"
+            )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise PrefillError(f"the prefill server's payload passed --max-kv-import-bytes {limit}; dropped")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -136,10 +171,10 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
     return str(exc)
 
 
-def _error_message(resp: httpx.Response) -> str:
-    """The OpenAI-shaped error message of a response, or its first bytes."""
+def _error_message(body_bytes: bytes) -> str:
+    """The OpenAI-shaped error message of a response body, or its first bytes."""
     try:
-        body: Any = resp.json()
+        body: Any = json.loads(body_bytes)
         return str(body["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp.text[:200]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return body_bytes[:200].decode("utf-8", "replace")

@@ -1,15 +1,16 @@
 """OpenAI-shaped HTTP errors and the ASGI middleware that guards every request.
 
-Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`. The body-size
-and API-key checks run as plain ASGI middleware, before FastAPI reads or parses the body, so an
-oversized or unauthenticated request costs nothing and can never reach the engine.
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`. The API-key and
+body-size checks run as plain ASGI middleware, in that order, before FastAPI reads or parses the
+body: an unauthenticated request is answered before a byte of its body is read (so it cannot make
+the server buffer up to a body limit), and an oversized one can never reach the engine.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     500: "server_error",
@@ -137,29 +139,57 @@ class CookieAuth:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 unless `Authorization: Bearer <key>` matches; paths in `open_paths` stay open.
+    """Answers 401 unless `Authorization: Bearer <key>` holds an accepted key, before any body is read.
 
-    With `cookie`, a GET to one of `cookie.paths` carrying that cookie passes too.
+    `api_key` guards every path but `open_paths` (None: the API is open). `path_keys` names further
+    keys a path accepts (e.g. `--kv-transfer-key` on `/v1/kv/import`); a path listed there is guarded
+    even when there is no API key. `disabled_paths` answer 403 with their message, unread (a route
+    turned off by a flag, such as `/v1/kv/import` without `--enable-kv-import`). Keys are compared as
+    UTF-8 bytes in constant time, so non-ASCII keys work. With `cookie`, a GET to one of
+    `cookie.paths` carrying that cookie passes too.
     """
 
     def __init__(
-        self, app: ASGIApp, api_key: str, open_paths: frozenset[str], cookie: CookieAuth | None = None
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        open_paths: frozenset[str],
+        path_keys: Mapping[str, Sequence[str]] | None = None,
+        disabled_paths: Mapping[str, str] | None = None,
+        cookie: CookieAuth | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.open_paths = open_paths
         self.cookie = cookie
+        self.path_keys = {path: [k.encode("utf-8") for k in keys] for path, keys in (path_keys or {}).items()}
+        self.disabled_paths = dict(disabled_paths or {})
+
+    def _accepted(self, path: str) -> list[bytes] | None:
+        """The keys `path` accepts; None when it is open."""
+        keys = [self.api_key.encode("utf-8")] if self.api_key and path not in self.open_paths else []
+        if path in self.path_keys:
+            return keys + self.path_keys[path]
+        return keys or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope.get("method") == "OPTIONS":
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        if self._cookie_ok(scope):
+        path = scope.get("path", "")
+        if path in self.disabled_paths:
+            await send_error(send, ApiError(403, self.disabled_paths[path], code="disabled"))
+            return
+        accepted = self._accepted(path)
+        if accepted is None or self._cookie_ok(scope):
             await self.app(scope, receive, send)
             return
-        auth = _header(scope, b"authorization") or ""
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        auth = _header_bytes(scope, b"authorization") or b""
+        scheme, _, token = auth.partition(b" ")
+        token = token.strip()
+        # NOTE: every key is compared (no early exit), so the time taken does not say which one matched.
+        matches = [hmac.compare_digest(token, key) for key in accepted]
+        if scheme.lower() == b"bearer" and any(matches):
             await self.app(scope, receive, send)
             return
         message = "Missing API key." if not auth else "Incorrect API key provided."
@@ -179,7 +209,12 @@ class ApiKeyMiddleware:
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
+    value = _header_bytes(scope, name)
+    return value.decode("latin-1") if value is not None else None
+
+
+def _header_bytes(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", []):
         if key.lower() == name:
-            return bytes(value).decode("latin-1")
+            return bytes(value)
     return None

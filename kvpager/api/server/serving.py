@@ -27,11 +27,17 @@ from kvpager.api.server.protocol import (
     Usage,
     _SamplingFields,
 )
+from kvpager.core.limits import RequestLimits
 from kvpager.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvpager.core.sampling_params import SamplingParams, StructuredOutputSpec
+from kvpager.engine.admission import check_params, check_text
 from kvpager.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvpager.engine.kv_transfer import KVPoolBusyError
 
 RETRY_AFTER_S = 1
+# Inputs above this many characters (or token ids) are tokenized / detokenized on a worker thread, so
+# a large prompt never stalls the event loop (/health, every other stream) while it is encoded.
+OFFLOAD_CHARS = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -100,6 +106,58 @@ class Serving:
         raise ApiError(404, f"The model `{name}` does not exist.", code="model_not_found", param="model")
 
     # -- prompts --------------------------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        limits = getattr(self.engine.config, "request_limits", None)
+        return limits if isinstance(limits, RequestLimits) else RequestLimits()
+
+    async def completion_prompts_async(self, prompt: PromptInput, n: int = 1) -> list[Prompt]:
+        """`completion_prompts`, off the event loop for large inputs; 400 before any tokenizing when
+        prompts × n is over --max-sequences-per-request."""
+        num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        self.check_sequences(num_prompts, n)
+        if _input_size(prompt) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.completion_prompts, prompt)
+        return self.completion_prompts(prompt)
+
+    async def chat_prompt_async(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None
+    ) -> Prompt:
+        """`chat_prompt`, off the event loop for large conversations."""
+        size = sum(
+            len(m.content) if isinstance(m.content, str) else OFFLOAD_CHARS * (m.content is not None) for m in messages
+        )
+        if size > OFFLOAD_CHARS or len(messages) > 256:
+            return await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt, template)
+        return self.chat_prompt(messages, add_generation_prompt, template)
+
+    async def detokenize_async(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` with special tokens (400 on ids outside the vocabulary), off the loop when large."""
+        if token_ids:
+            self.completion_prompts(token_ids)  # 400 on ids outside the vocabulary
+        if len(token_ids) > OFFLOAD_CHARS // 4:
+            return str(await asyncio.to_thread(self.tokenizer.decode, token_ids, skip_special_tokens=False))
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """400 when one request would become more engine sequences than --max-sequences-per-request."""
+        limit = self.limits.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise ApiError(
+                400,
+                f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences, over the limit of {limit} per "
+                "request (--max-sequences-per-request)",
+                param="prompt",
+            )
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; 400 naming the problem for text that is not valid Unicode."""
+        try:
+            check_text(text, "prompt")
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt") from exc
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def completion_prompts(self, prompt: PromptInput) -> list[Prompt]:
         """Normalise a completions prompt (str, list of str, ids, list of ids) to engine prompts."""
         if isinstance(prompt, str):
@@ -115,7 +173,7 @@ class Serving:
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None) -> Prompt:
         """Render the chat template and tokenize it (the template carries any special tokens)."""
         text = self.render_chat(messages, add_generation_prompt, template)
-        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        return Prompt(self.encode(text, add_special_tokens=False), text)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None) -> str:
         try:
@@ -148,7 +206,7 @@ class Serving:
 
     def _prompt(self, item: str | list[int]) -> Prompt:
         if isinstance(item, str):
-            return Prompt(self.tokenizer.encode(item, add_special_tokens=True), item)
+            return Prompt(self.encode(item, add_special_tokens=True), item)
         vocab_size = int(self.tokenizer.vocab_size)
         bad = [t for t in item if not 0 <= t < vocab_size]
         if bad:
@@ -211,7 +269,7 @@ class Serving:
     ) -> SamplingParams:
         """The engine's SamplingParams for a request (400 when the combination is invalid)."""
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -233,8 +291,10 @@ class Serving:
                 prompt_logprobs=prompt_logprobs,
                 structured=structured,
             )
+            check_params(params, self.limits)  # the engine checks again; here it is a 400 before any work
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+        return params
 
     async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
         """Compile (or find cached) the request's grammar on the compiler thread; 400 when it is invalid.
@@ -249,6 +309,7 @@ class Serving:
     # -- engine ---------------------------------------------------------------------------------
     async def start(self, base_id: str, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestStream]:
         """Add every prompt to the engine; on any failure abort those already added."""
+        self.check_sequences(1, sum(p.n for p in params))
         streams: list[RequestStream] = []
         try:
             if self.prefill is not None:
@@ -272,30 +333,26 @@ class Serving:
             finally:
                 streams[0].abort()  # closing this generator leaves the inner one suspended
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-                queue.put_nowait((i, None))
-            except Exception as exc:
-                queue.put_nowait((i, exc))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        # NOTE: pulled one output at a time per stream (no pump into an unbounded queue), so a slow
+        # reader leaves outputs merged in each stream's one-slot buffer instead of piling them up here.
+        iterators = [stream.__aiter__() for stream in streams]
+        pending: dict[asyncio.Future[RequestOutput], int] = {
+            asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+        }
         try:
-            remaining = len(streams)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                self._observe(item)
-                yield i, item
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: pending[t]):
+                    i = pending.pop(task)
+                    try:
+                        out = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    self._observe(out)
+                    yield i, out
+                    pending[asyncio.ensure_future(anext(iterators[i]))] = i
         finally:
-            for task in tasks:
+            for task in pending:
                 task.cancel()
             for stream in streams:
                 stream.abort()
@@ -378,9 +435,18 @@ def engine_error(exc: BaseException) -> BaseException:
         return ApiError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
         return ApiError(503, str(exc), code="engine_dead")
+    if isinstance(exc, KVPoolBusyError):
+        return ApiError(503, str(exc), code="kv_pool_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
     return exc
+
+
+def _input_size(prompt: PromptInput) -> int:
+    """Characters (strings) or ids (token lists) in a completions prompt, to decide where to tokenize."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str | list) else 1 for item in prompt)
 
 
 async def _wait_disconnect(request: Request) -> None:
