@@ -80,20 +80,20 @@ def test_out_of_range_seed_is_refused_or_served_and_the_engine_keeps_serving(
 
 
 def test_a_failure_inside_queueing_is_undone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even a failure admission cannot foresee (here: the runner raising on the 2nd of 3 samples)
+    """Even a failure admission cannot foresee (here: the scheduler raising on the 2nd of 3 samples)
     leaves scheduler, runner and output processor exactly as before."""
     reference = greedy_reference(engine)
     before = engine_state(engine)
-    real_add = engine.runner.add_request
-    calls: list[str] = []
+    real_add = engine.scheduler.add_request
+    calls: list[Any] = []
 
-    def failing_add(request_id: str, *args: Any) -> None:
-        calls.append(request_id)
+    def failing_add(request: Any) -> None:
+        calls.append(request)
         if len(calls) == 2:
-            raise RuntimeError("injected runner failure")
-        real_add(request_id, *args)
+            raise RuntimeError("injected scheduler failure")
+        real_add(request)
 
-    monkeypatch.setattr(engine.runner, "add_request", failing_add)
+    monkeypatch.setattr(engine.scheduler, "add_request", failing_add)
     with pytest.raises(RuntimeError, match="injected"):
         engine.add_request("boom", [5, 6, 7], SamplingParams(n=3, max_tokens=4))
     monkeypatch.undo()
