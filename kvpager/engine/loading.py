@@ -5,18 +5,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
 from kvpager.core.hashing import model_fingerprint
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
+from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
-from kvpager.model.loader import load_model
+from kvpager.model.loader import load_model, model_weight_bytes, quantized_weights_digest
 from kvpager.model.spec import ModelSpec, load_model_spec
 from kvpager.text.tokenizer import Tokenizer
 
@@ -40,6 +42,7 @@ class LoadedModel:
     max_model_len: int
     pool: PoolSize
     weights_digest: str = ""  # what the fingerprint names the weights by ("dummy" for dummy weights)
+    config: EngineConfig | None = None  # the configuration with dtype resolved ("auto" -> the checkpoint's)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,6 +63,7 @@ def load(config: EngineConfig) -> LoadedModel:
     tokenizer = Tokenizer.from_dir(str(Path(config.tokenizer) if config.tokenizer else model_dir))
     max_model_len = resolve_max_model_len(config, spec)
     device = resolve_device(config.device)
+    config = replace(config, dtype=resolve_dtype(config.dtype, spec.torch_dtype, device.type))
     dtype = TORCH_DTYPES[config.dtype]
     kv_dtype = TORCH_DTYPES[config.resolved_kv_cache_dtype]
     model = load_model(
@@ -69,9 +73,12 @@ def load(config: EngineConfig) -> LoadedModel:
         load_format=config.load_format,
         kernel_backend=config.kernel_backend,
         kv_dtype=kv_dtype,
+        quantization=config.quantization,
+        quantization_group_size=config.resolved_quantization_group_size,
     )
     model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log_weight_format(config, spec, device)
+    weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
     pool = pool_size(spec.kv_shape(DTYPE_BYTES[config.resolved_kv_cache_dtype]), config.block_size, budget)
     if pool.num_blocks < 1:
@@ -80,6 +87,11 @@ def load(config: EngineConfig) -> LoadedModel:
             "raise --kv-cache-memory or lower --block-size"
         )
     weights_digest = "dummy" if config.load_format == "dummy" else weights_file_digest(model_dir)
+    if config.quantization is not None:
+        # NOTE: KV computed with quantized weights is not the float model's: the fingerprint commits to
+        # the method, its group size and the quantized bytes themselves.
+        group = config.resolved_quantization_group_size or "channel"
+        weights_digest += f"+{config.quantization}-g{group}:{quantized_weights_digest(model)}"
     fingerprint = model_fingerprint(
         spec.architecture,
         weights_digest,
@@ -100,6 +112,30 @@ def load(config: EngineConfig) -> LoadedModel:
         max_model_len,
         pool,
         weights_digest,
+        config,
+    )
+
+
+def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
+    """One start-up line: the dtype chosen and why, the quantization, and the linear layers' code path."""
+    if device.type != "cpu":
+        path = "torch on " + device.type + (" (packed weights dequantized per call)" if config.quantization else "")
+    elif config.quantization is not None or config.dtype == "bfloat16":
+        kernels = quant_kernels_or_none()
+        path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
+        path += f" up to its batch limit; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
+        path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
+    else:
+        path = f"{config.dtype} (CPU {torch.backends.cpu.get_cpu_capability()})"
+    quant = config.quantization or "none"
+    if config.quantization is not None:
+        quant += f", group {config.resolved_quantization_group_size or 'per output channel'}"
+    logger.info(
+        "weights: dtype %s (checkpoint %s), quantization %s; linear layers: %s",
+        config.dtype,
+        spec.torch_dtype,
+        quant,
+        path,
     )
 
 
