@@ -30,6 +30,7 @@ from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spe
 
 _T = TypeVar("_T")
 DUMMY_STD = 0.02
+COPY_CHUNK_BYTES = 4 << 20  # source bytes copied (then released) at a time
 # NOTE: tensors older checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _PROJECTIONS = (
@@ -46,7 +47,7 @@ class _Source:
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
-    release: Callable[[], None] = lambda: None
+    release: Callable[[tuple[int, int] | None], None] = lambda rows: None  # rows (first, end) or all
 
 
 def load_model(
@@ -169,18 +170,25 @@ def _materialise(
 ) -> torch.Tensor:
     """The tensor in `dtype` on `device`, each part copied (and converted) into its rows, then released."""
     out = torch.empty(shape, dtype=dtype, device=device)
+    if not shape:
+        out.copy_(parts[0].read())
+        parts[0].release(None)
+        return out
     row = 0
     for part in parts:
-        rows = part.shape[0] if part.shape else 1
-        (out[row : row + rows] if len(parts) > 1 else out).copy_(part.read())
-        part.release()
-        row += rows
+        src = part.read()
+        step = max(1, COPY_CHUNK_BYTES // max(1, src[0].numel() * src.element_size())) if src.dim() else 1
+        for r0 in range(0, part.shape[0], step):  # NOTE: row chunks, each released once copied
+            r1 = min(part.shape[0], r0 + step)
+            out[row + r0 : row + r1].copy_(src[r0:r1])
+            part.release((r0, r1))
+        row += part.shape[0]
     return out
 
 
 def _quantized(part: _Source, method: str, group: int | None, device: torch.device) -> PackedWeight:
     weight = quantize(part.read().to(device), method, group)
-    part.release()
+    part.release(None)
     return weight
 
 
@@ -230,12 +238,16 @@ def _checkpoint_sources(files: list[MappedSafetensors], spec: ModelSpec) -> dict
         for name, info in f.infos.items():
             if name.endswith(_IGNORED_SUFFIXES) or (spec.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            sources[name.removeprefix("model.")] = _Source(info.shape, _bind(f.view, name), _bind(f.release, name))
+            sources[name.removeprefix("model.")] = _Source(info.shape, _bind(f.view, name), _bind_release(f, name))
     return sources
 
 
 def _bind(fn: Callable[[str], _T], name: str) -> Callable[[], _T]:
     return lambda: fn(name)
+
+
+def _bind_release(f: MappedSafetensors, name: str) -> Callable[[tuple[int, int] | None], None]:
+    return lambda rows: f.release(name, rows)
 
 
 def _fuse(spec: ModelSpec, tensors: dict[str, _Source]) -> dict[str, list[_Source]]:

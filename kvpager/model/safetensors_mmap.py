@@ -90,14 +90,20 @@ class MappedSafetensors:
             return torch.empty(info.shape, dtype=info.dtype)
         return torch.frombuffer(self._mm, dtype=info.dtype, count=count, offset=info.start).view(info.shape)
 
-    def release(self, name: str) -> None:
-        """Drop the tensor's pages from the resident set (they are re-read from disk if touched again)."""
+    def release(self, name: str, fraction: tuple[int, int] | None = None) -> None:
+        """Drop the tensor's pages (or its rows' share `fraction` = (first, end) of dim 0) from the resident
+        set; they are re-read from disk if touched again."""
         info = self.infos[name]
         if self._mm is None or info.end <= info.start or not hasattr(mmap, "MADV_DONTNEED"):
             return
+        start, end = info.start, info.end
+        if fraction is not None and info.shape:
+            row_bytes = (end - start) // max(1, info.shape[0])
+            start, end = info.start + fraction[0] * row_bytes, info.start + fraction[1] * row_bytes
         page = mmap.PAGESIZE
-        start = info.start - info.start % page
-        self._mm.madvise(mmap.MADV_DONTNEED, start, info.end - start)
+        start -= start % page
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         if self._mm is not None:

@@ -30,7 +30,7 @@ from kvpager.model.backends.quant_kernels import FMT_BF16, FMT_INT4, FMT_INT8, q
 KERNEL_MAX_ROWS = 16  # the kernel re-reads each cached weight row per 4 input rows: beyond 16, GEMM wins
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
-QUANTIZE_CHUNK_ROWS = 1024  # rows quantized at a time (bounds the float32 scratch while loading)
+QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
 
 
 class PackedWeight:
@@ -180,7 +180,7 @@ class Int8Weight(PackedWeight):
             s = w.abs().amax(-1) / 127.0
             s = torch.where(s > 0, s, torch.ones_like(s))
             q[r0 : r0 + QUANTIZE_CHUNK_ROWS] = (
-                torch.round(w / s[..., None]).clamp_(-127, 127).flatten(1)[:, :in_features].to(torch.int8)
+                w.div_(s[..., None]).round_().clamp_(-127, 127).flatten(1)[:, :in_features].to(torch.int8)
             )
             scales[r0 : r0 + QUANTIZE_CHUNK_ROWS] = s
         return cls(q, scales, group)
@@ -245,7 +245,8 @@ class Int4Weight(PackedWeight):
             lo, hi = w.amin(-1), w.amax(-1)
             s = (hi - lo) / 15.0
             s = torch.where(s > 0, s, torch.ones_like(s))
-            codes = torch.round((w - lo[..., None]) / s[..., None]).clamp_(0, 15).flatten(1)[:, :in_features]
+            # NOTE: in place: the float32 scratch of one chunk is the only transient
+            codes = w.sub_(lo[..., None]).div_(s[..., None]).round_().clamp_(0, 15).flatten(1)[:, :in_features]
             packed[r0 : r0 + QUANTIZE_CHUNK_ROWS] = _pack_int4(codes.to(torch.uint8))
             scales[r0 : r0 + QUANTIZE_CHUNK_ROWS], offsets[r0 : r0 + QUANTIZE_CHUNK_ROWS] = s, lo
         return cls(packed, scales, offsets, group_size, in_features)
