@@ -135,13 +135,11 @@ def packed_weights(model: nn.Module) -> dict[str, PackedWeight]:
 
 
 def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds: parameters plus packed weights, shared storage once."""
+    """Bytes of every weight the model holds (elements x element size: a kernel layout's padding is not
+    counted): parameters plus packed weights, a tensor shared by two modules (tied lm_head) once."""
     seen: dict[int, int] = {}
-    for p in model.parameters():
-        seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    for w in packed_weights(model).values():
-        for t in w.tensors():
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for t in [*model.parameters(), *(t for w in packed_weights(model).values() for t in w.tensors())]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
