@@ -93,7 +93,9 @@ def test_rounding_to_nearest_stays_within_half_a_step() -> None:
     w = torch.randn(33, 200) * 0.1
     w[3] = 0.0  # a zero row: scale 1, exact zeros
     w[4, :64] = 0.25  # a constant group: exact
+    original = w.clone()
     i8, i4 = Int8Weight.from_float(w), Int4Weight.from_float(w, 64)
+    assert torch.equal(w, original)  # the source (a mapped checkpoint tensor while loading) is never written
     step8 = i8.scales.repeat_interleave(i8.group_size, 1)[:, :200]
     step4 = i4.scales.repeat_interleave(64, 1)[:, :200]
     assert ((i8.dequantize() - w).abs() <= step8 / 2 * (1 + 1e-5)).all()

@@ -176,7 +176,9 @@ class Int8Weight(PackedWeight):
         q = torch.empty((out_features, in_features), dtype=torch.int8, device=weight.device)
         scales = torch.empty((out_features, num_groups), dtype=torch.float32, device=weight.device)
         for r0 in range(0, out_features, QUANTIZE_CHUNK_ROWS):
-            w = _grouped(weight[r0 : r0 + QUANTIZE_CHUNK_ROWS].float(), group)
+            w = _grouped(
+                weight[r0 : r0 + QUANTIZE_CHUNK_ROWS].to(torch.float32, copy=True), group
+            )  # NOTE: a copy: scratch edited in place
             s = w.abs().amax(-1) / 127.0
             s = torch.where(s > 0, s, torch.ones_like(s))
             q[r0 : r0 + QUANTIZE_CHUNK_ROWS] = (
@@ -241,7 +243,9 @@ class Int4Weight(PackedWeight):
         scales = torch.empty((out_features, num_groups), dtype=torch.float32, device=weight.device)
         offsets = torch.empty_like(scales)
         for r0 in range(0, out_features, QUANTIZE_CHUNK_ROWS):
-            w = _grouped(weight[r0 : r0 + QUANTIZE_CHUNK_ROWS].float(), group_size)
+            w = _grouped(
+                weight[r0 : r0 + QUANTIZE_CHUNK_ROWS].to(torch.float32, copy=True), group_size
+            )  # NOTE: a copy: scratch edited in place
             lo, hi = w.amin(-1), w.amax(-1)
             s = (hi - lo) / 15.0
             s = torch.where(s > 0, s, torch.ones_like(s))
