@@ -40,9 +40,9 @@ def check_snapshot(doc: dict[str, Any], scheduler: Scheduler, tiers_of: Callable
     assert counts["free"] + counts["cached"] == pool.num_free_blocks
     assert doc["evict_order"] == [b for b in pool.free_block_ids() if pool.block_hash(b) is not None]
     owners: dict[int, list[str]] = {}
-    live = [*scheduler.running, *scheduler.waiting]
-    for request in live:
-        for block_id in manager.block_ids(request.request_id):
+    live = [*scheduler.running, *scheduler.waiting, *(r for r, _ in scheduler.loading.values())]
+    for request in live:  # NOTE: a prefix load from a tier holds its blocks for its request
+        for block_id in manager.block_ids(request.request_id) + manager.loading_block_ids(request.request_id):
             owners.setdefault(block_id, []).append(str(request.request_id))
     for block in blocks:
         block_id = block["id"]

@@ -35,6 +35,22 @@ def test_free_releases_tail_first_so_chain_ends_are_evicted_first() -> None:
     assert pool.allocate(3) == [4, 5, 3]
 
 
+def test_unused_blocks_go_back_to_the_head_so_no_cached_block_is_evicted_for_them() -> None:
+    pool = BlockPool(4)
+    first = pool.allocate(2)  # [0, 1]
+    pool.cache_block(0, h(1))
+    pool.free(first)  # queue: 2, 3, 1, 0 (0 holds h(1))
+    unused = pool.allocate(3)  # [2, 3, 1]: blocks for a load that fails
+    pool.free_unused(unused)
+    assert set(pool.free_block_ids()[:3]) == {1, 2, 3} and pool.free_block_ids()[3] == 0
+    assert len(pool.allocate(3)) == 3 and pool.get_cached_block(h(1)) == 0 and pool.evictions == 0
+    other = BlockPool(1)
+    (block,) = other.allocate(1)
+    other.cache_block(block, h(2))
+    with pytest.raises(ValueError, match="cached"):
+        other.free_unused([block])
+
+
 def test_allocating_a_cached_free_block_evicts_its_hash_and_calls_the_hook() -> None:
     evicted: list[tuple[int, BlockHash]] = []
     pool = BlockPool(2, on_evict=lambda block_id, block_hash: evicted.append((block_id, block_hash)))

@@ -12,6 +12,7 @@ ROOT = Path(kvpager.__file__).resolve().parent
 # rank of each top-level package; a module may import its own package or a lower rank only
 LAYERS: dict[str, int] = {
     "core": 0,
+    "gguf": 0,  # GGUF file reading and metadata (numpy + the gguf package): the planner and text read it
     "planner": 1,
     "text": 1,
     "model": 2,
@@ -22,7 +23,7 @@ LAYERS: dict[str, int] = {
     "bench": 5,
     "cli": 6,
 }
-TORCH_FREE = ("core", "planner")
+TORCH_FREE = ("core", "gguf", "planner")
 
 
 def _layer(module: str) -> str | None:

@@ -6,6 +6,7 @@ Torch-free: the scheduler and KV manager are driven by a fake runner; the lower 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,21 +27,33 @@ class DictStore:
 
     def __init__(self) -> None:
         self.held: set[BlockHash] = set()
+        self.finished: dict[int, int] = {}
         self.hits = 0
         self.misses = 0
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self.held
 
-    def load_into(self, block_hash: BlockHash, block_id: int) -> bool:
-        if block_hash in self.held:
-            self.hits += 1
-            return True
-        self.misses += 1
-        return False
-
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
         self.held.add(block_hash)
+
+    def start_load(self, job_id: int, blocks: Sequence[tuple[BlockHash, int]]) -> None:
+        """Loads complete at once; the scheduler sees them at its next step."""
+        num_loaded = 0
+        for block_hash, _block_id in blocks:
+            if block_hash not in self.held:
+                self.misses += 1
+                break
+            self.hits += 1
+            num_loaded += 1
+        self.finished[job_id] = num_loaded
+
+    def finished_loads(self) -> dict[int, int]:
+        finished, self.finished = self.finished, {}
+        return finished
+
+    def wait_for_loads(self, timeout: float) -> None:
+        pass
 
     def view(self) -> TierView:
         return TierView("host", "blocks", len(self.held), len(self.held) * 64, None, self.hits, self.misses, 0, 0, 0)

@@ -37,24 +37,45 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class FakeRunner:
+    """Keeps its own tokens and block tables per request from the SchedulerOutput diffs alone."""
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.tokens: dict[RequestId, list[int]] = {}
+        self.tables: dict[RequestId, list[int]] = {}
+        self.step_tokens: dict[RequestId, tuple[int, ...]] = {}  # what the last step computed
 
-    def slot(self, block_ids: tuple[int, ...], position: int) -> int:
+    def slot(self, block_ids: list[int] | tuple[int, ...], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, out: SchedulerOutput) -> dict[RequestId, int]:
+        for rid in out.finished_ids:
+            self.tokens.pop(rid, None)
+            self.tables.pop(rid, None)
+        for rid in out.preempted_ids:
+            self.tables[rid] = []
+        for new in out.new_requests:
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+            self.tables[new.request_id] = list(new.block_ids)
+        self.step_tokens = {}
         for s in out.scheduled:
-            for offset, token in enumerate(s.token_ids):
-                self.slots[self.slot(s.block_ids, s.start_position + offset)] = token
+            table = self.tables[s.request_id]
+            table.extend(s.new_block_ids)
+            tokens = self.tokens[s.request_id][s.start_position : s.start_position + s.num_tokens]
+            assert len(tokens) == s.num_tokens
+            self.step_tokens[s.request_id] = tuple(tokens)
+            for offset, token in enumerate(tokens):
+                self.slots[self.slot(table, s.start_position + offset)] = token
         sampled: dict[RequestId, int] = {}
         for s in out.scheduled:
             if s.needs_sample:
-                end = s.start_position + len(s.token_ids)
-                context = [self.slots[self.slot(s.block_ids, p)] for p in range(end)]
+                end = s.start_position + s.num_tokens
+                table = self.tables[s.request_id]
+                context = [self.slots[self.slot(table, p)] for p in range(end)]
                 assert None not in context
                 sampled[s.request_id] = next_token([t for t in context if t is not None])
+                self.tokens[s.request_id].append(sampled[s.request_id])
         return sampled
 
 
@@ -92,18 +113,18 @@ def run_all(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> list
 
 
 def shape(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    return [(s.request_id, s.start_position, len(s.token_ids), s.needs_sample) for s in out.scheduled]
+    return [(s.request_id, s.start_position, s.num_tokens, s.needs_sample) for s in out.scheduled]
 
 
 def test_prefill_then_decode_with_exact_block_tables() -> None:
     sched, runner = make(num_blocks=8)
     a = add(sched, "a", [1, 2, 3, 4, 5, 6], max_tokens=3)
     out = step(sched, runner)
-    assert out.scheduled[0].token_ids == (1, 2, 3, 4, 5, 6)
-    assert shape(out) == [("a", 0, 6, True)] and out.scheduled[0].block_ids == (0, 1)
+    assert runner.step_tokens["a"] == (1, 2, 3, 4, 5, 6)
+    assert shape(out) == [("a", 0, 6, True)] and runner.tables["a"] == [0, 1]
     out = step(sched, runner)
-    assert out.scheduled[0].token_ids == (a.output_token_ids[0],)
-    assert shape(out) == [("a", 6, 1, True)] and out.scheduled[0].block_ids == (0, 1)
+    assert runner.step_tokens["a"] == (a.output_token_ids[0],)
+    assert shape(out) == [("a", 6, 1, True)] and runner.tables["a"] == [0, 1]
     out = step(sched, runner)
     assert shape(out) == [("a", 7, 1, True)]
     assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == reference([1, 2, 3, 4, 5, 6], 3)
@@ -140,7 +161,7 @@ def test_identical_prompts_admitted_together_share_blocks_and_match_the_referenc
     a, b = add(sched, "a", prompt, 4), add(sched, "b", prompt, 4)
     out = step(sched, runner)
     assert shape(out) == [("a", 0, 10, True), ("b", 8, 2, True)]
-    assert out.scheduled[0].block_ids == (0, 1, 2) and out.scheduled[1].block_ids == (0, 1, 3)
+    assert runner.tables["a"] == [0, 1, 2] and runner.tables["b"] == [0, 1, 3]
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 8)
     run_all(sched, runner)
     assert a.output_token_ids == b.output_token_ids == reference(prompt, 4)
@@ -155,7 +176,7 @@ def test_a_prompt_waits_until_its_blocks_can_be_had_and_reuses_freed_blocks_lru(
     out = step(sched, runner)
     assert shape(out) == [("a", 0, 12, True)] and sched.num_waiting == 1
     out = step(sched, runner)  # a finished: its blocks were freed tail-first -> queue 3, 2, 1, 0
-    assert shape(out) == [("b", 0, 8, True)] and out.scheduled[0].block_ids == (3, 2)
+    assert shape(out) == [("b", 0, 8, True)] and runner.tables["b"] == [3, 2]
     assert sched.kv_manager.block_pool.free_block_ids() == [1, 0]
     assert sched.kv_manager.block_pool.evictions == 1  # block 2 held a's third full block
 
@@ -241,11 +262,13 @@ def check_step(sched: Scheduler, runner: FakeRunner, out: SchedulerOutput, befor
     """Invariants after one step (see docs/architecture.md)."""
     assert out.num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.scheduled) <= sched.max_num_seqs and sched.num_running <= sched.max_num_seqs
-    assert all(len(s.token_ids) >= 1 for s in out.scheduled)
+    assert all(s.num_tokens >= 1 for s in out.scheduled)
     # Running requests come first, in admission order; one is skipped only when the budget ran out.
     kept = [rid for rid in before if rid not in out.preempted_ids]
     ids = [s.request_id for s in out.scheduled]
     assert ids[: len(kept)] == kept or out.num_scheduled_tokens == sched.max_num_batched_tokens
+    for request in sched.running:  # the runner's tables, kept from the diffs alone, are the scheduler's
+        assert runner.tables[request.request_id] == list(sched.kv_manager.block_ids(request.request_id))
     pool = sched.kv_manager.block_pool
     free = pool.free_block_ids()
     tables = [sched.kv_manager.block_ids(r.request_id) for r in sched.running]

@@ -288,3 +288,51 @@ def test_without_a_host_tier_offload_writes_to_disk(tmp_path: Path) -> None:
     tiers = KVTiers(None, disk(tmp_path))
     tiers.offload(block_hash(1), block(1))
     assert same(disk(tmp_path).get(block_hash(1)), block(1))
+
+
+# --- the offload worker (TieredBlockStore) ------------------------------------------------------
+class PoolIO:
+    """A device pool of 8 blocks for the store to read from and write into."""
+
+    def __init__(self) -> None:
+        self.pool = torch.stack([block(100 + i) for i in range(8)], dim=2)  # [layers, 2, 8, ...]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        return self.pool[:, :, block_id]
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        self.pool[:, :, block_id].copy_(data)
+
+
+def test_offload_store_copies_out_at_once_and_drops_writes_beyond_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from kvpager.kvstore.offload import TieredBlockStore
+
+    disk_answers = threading.Event()
+    original = DiskTier._write_atomic
+
+    def stuck_write(self: DiskTier, path: Path, data: bytes) -> None:
+        assert disk_answers.wait(timeout=60)
+        original(self, path, data)
+
+    monkeypatch.setattr(DiskTier, "_write_atomic", stuck_write)
+    io = PoolIO()
+    want = [io.read_block(i).clone() for i in range(5)]
+    store = TieredBlockStore(KVTiers(None, disk(tmp_path)), io, max_pending_writes=2)
+    for i in range(5):
+        store.on_evict(i, block_hash(i))
+    store.wait_for_copies()  # returns although the disk has written nothing
+    for i in range(5):
+        io.write_block(i, block(200 + i))  # the pool reuses the blocks
+    disk_answers.set()
+    store.drain()
+    stats = store.stats(device_evictions=5)
+    assert stats.disk is not None and stats.dropped >= 2 and stats.disk.num_blocks + stats.dropped == 5
+    kept = [i for i in range(5) if store.contains(block_hash(i))]
+    store.start_load(7, [(block_hash(kept[0]), 6)])
+    store.drain()
+    assert store.finished_loads() == {7: 1} and torch.equal(io.read_block(6), want[kept[0]])
+    store.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvpager.core.config import resolve_dtype
 from kvpager.core.units import format_bytes, parse_bytes, parse_reserve
+from kvpager.gguf import is_gguf_path
 from kvpager.planner.devices import Device, custom_device, custom_reserve, find_device, measure_cpu
 from kvpager.planner.kvmath import parse_kv_dtype
 from kvpager.planner.models import ModelFacts, load_model_facts, shipped_model_names
@@ -119,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.weights and "," in args.weights:
         raise ValueError("--weights takes one format for a single plan; comma lists are for --table/--csv")
     facts = load_model_facts(args.model)
-    model_dir = Path(args.model) if Path(args.model).is_dir() else None
+    model_dir = Path(args.model) if Path(args.model).is_dir() or is_gguf_path(args.model) else None
     plan = make_plan(facts, options, device, model_dir)
     print(json.dumps(plan.to_json(), indent=2) if args.json else render_text(plan), end="" if not args.json else "\n")
     if plan.fits is False:

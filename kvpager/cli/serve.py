@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvpager.api.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from kvpager.api.server.disagg import DEFAULT_PREFILL_TIMEOUT_S, ROLES, PrefillSettings
 from kvpager.api.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES
+from kvpager.api.server.tools import TOOL_PARSERS
 from kvpager.engine.args import add_engine_args, bytes_arg, config_from_args
 
 if TYPE_CHECKING:
@@ -64,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["kv-aware", "power-of-two"],
         help="with --replicas: kv-aware (prefix-cache state + queue length) or Ray Serve's default",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_PARSERS),
+        help="parse the model's own tool calls for tool_choice \"auto\" (vLLM's names)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='accepted for vLLM compatibility: "auto" is enabled by --tool-call-parser',
+    )
     add_kv_transfer_args(p)
     add_engine_args(p)
     return p
@@ -104,6 +116,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         if not path.is_file():
             raise ValueError(f"--chat-template {args.chat_template!r} is not a file; pass a Jinja2 template file")
         template = path.read_text(encoding="utf-8")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     prefill = None
     if args.prefill_url is not None:
         prefill = PrefillSettings(
@@ -119,6 +133,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_kv_import_bytes=args.max_kv_import_bytes,
         role=args.role,
         prefill=prefill,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -16,7 +16,8 @@ from kvpager.core.hashing import BlockHash
 from kvpager.core.kv_events import BlockRemoved, BlockStored, KVEventListener
 
 # Called with (block_id, block_hash) just before a cached block's hash is dropped for reuse, so a
-# KV tier can copy the block's bytes out first.
+# KV tier can copy the block's bytes out first (it may do so in the background, as long as the copy
+# completes before anything writes into the block: see `kvpager.kvstore.offload`).
 EvictCallback = Callable[[int, BlockHash], None]
 
 
@@ -48,6 +49,14 @@ class FreeBlockQueue:
         block.prev, block.next = last, self._tail
         last.next = block
         self._tail.prev = block
+        self.num_blocks += 1
+
+    def appendleft(self, block: Block) -> None:
+        first = self._head.next
+        assert first is not None
+        block.prev, block.next = self._head, first
+        first.prev = block
+        self._head.next = block
         self.num_blocks += 1
 
     def popleft(self) -> Block:
@@ -170,6 +179,18 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free.append(block)
+
+    def free_unused(self, block_ids: Sequence[int]) -> None:
+        """Return blocks that were allocated but never filled (a failed load) to the free queue's head.
+
+        They hold nothing worth keeping, so they are reused before any cached block is evicted.
+        """
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise ValueError(f"block {block_id} is shared or cached; release it with free()")
+            block.ref_cnt = 0
+            self._free.appendleft(block)
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register an owned, full block under `block_hash`. Returns False when not registered.

@@ -17,7 +17,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 # NOTE: the one list of each: the CLI's choices, the loader and the benchmarks all read these.
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 COMPUTE_DTYPES = DTYPES

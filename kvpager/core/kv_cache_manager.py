@@ -5,14 +5,18 @@ whose tokens are known are hashed and registered in the cache when they are *all
 v1), not when the forward has run: a request admitted in the same step then hits them, which is
 exact because every layer writes all new K/V before any sequence attends (docs/internals.md).
 
-Blocks missing from the device pool may come from a `BlockSource` (the KV tiers below the pool, a
-loaded KV pack): a lookup continues the hash chain into the source, copies each hit into a fresh
-device block and registers it, so the rest of the engine only ever sees ordinary cached blocks.
+Blocks missing from the device pool may come from a `BlockSource` (a loaded KV pack, an imported
+payload: `insert_blocks` copies them in at once) or from a `BlockStore` (the KV tiers below the pool,
+read by a background worker): `start_load` continues a waiting request's hash chain into the store,
+takes fresh device blocks and asks the store to fill them; the request waits aside
+(WAITING_FOR_REMOTE_KVS) until `poll_loads` registers the loaded blocks, and is then admitted with
+them as ordinary prefix-cache hits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpager.core.block_pool import BlockPool, EvictCallback
@@ -36,12 +40,44 @@ class BlockSource(Protocol):
         ...
 
 
-class BlockStore(BlockSource, Protocol):
-    """A source that also keeps what the device pool evicts (the KV tiers)."""
+class BlockStore(Protocol):
+    """The KV tiers below the pool, behind an asynchronous worker (`kvpager.kvstore.offload`).
+
+    None of these calls waits for tier I/O (except `wait_for_loads`, which says so).
+    """
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether a load of `block_hash` may succeed (an in-memory index; no data is read)."""
+        ...
 
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        """Copy the block out before the pool reuses it (see `BlockPool.on_evict`)."""
+        """The pool is reusing the block: start copying its K/V out (see `BlockPool.on_evict`)."""
         ...
+
+    def start_load(self, job_id: int, blocks: Sequence[tuple[BlockHash, int]]) -> None:
+        """Fill each device block with the K/V stored under its hash, in the background, in order."""
+        ...
+
+    def finished_loads(self) -> dict[int, int]:
+        """Loads completed since the last call: job id -> number of leading blocks filled."""
+        ...
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until some load completes or `timeout` seconds pass (the engine has nothing to run)."""
+        ...
+
+
+@dataclass(slots=True)
+class _Load:
+    """One request's prefix load: the device hits it holds, and the fresh blocks being filled."""
+
+    request_id: RequestId
+    held: list[int]  # device hits, referenced so they survive the wait
+    hashes: list[BlockHash]
+    block_ids: list[int]  # fresh blocks, one per hash, filled by the store
+    cancelled: bool = False
+    done: bool = False
+    kept: list[int] = field(default_factory=list)  # after completion: held + loaded blocks
 
 
 class KVCacheManager:
@@ -68,6 +104,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_seed = hash_seed
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self._loads: dict[int, _Load] = {}  # job id -> load (in flight, or done and held)
+        self._load_of: dict[RequestId, int] = {}
+        self._next_job_id = 0
         self._req_to_blocks: dict[RequestId, list[int]] = {}
         self._req_to_hashes: dict[RequestId, list[BlockHash]] = {}
         # Leading blocks of each table already offered to the cache (registered or duplicates).
@@ -88,8 +127,14 @@ class KVCacheManager:
         return tuple(self._req_to_blocks.get(request_id, ()))
 
     def block_tables(self) -> dict[RequestId, tuple[int, ...]]:
-        """Every request's block table (a copy; for read-only views such as the KV map)."""
-        return {request_id: tuple(blocks) for request_id, blocks in self._req_to_blocks.items()}
+        """Every request's block table (a copy; for read-only views such as the KV map).
+
+        A request waiting for a prefix load is listed with the blocks the load holds for it.
+        """
+        tables = {request_id: tuple(blocks) for request_id, blocks in self._req_to_blocks.items()}
+        for request_id in self._load_of:
+            tables[request_id] = tables.get(request_id, ()) + self.loading_block_ids(request_id)
+        return tables
 
     def block_hashes(self, request_id: RequestId) -> list[BlockHash]:
         """Hashes of the request's full, scheduled blocks, aligned with `block_ids(request_id)`.
@@ -105,30 +150,109 @@ class KVCacheManager:
         return self.block_pool.get_cached_block(block_hash)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks: (block ids, number of tokens they hold).
+        """Longest prefix of full blocks cached on the device: (block ids, number of tokens they hold).
 
         NOTE: hits stop at num_tokens - 1: the last known token is always computed, because its
-        logits are needed to sample the next one.
+        logits are needed to sample the next one (a prefill-only request samples nothing).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if self.store is not None:
-            # NOTE: blocks are loaded now, at admission, so their K/V is in place before the next
-            # forward; they are released as ordinary cached blocks that `allocate_slots` revives.
-            block_ids = self.acquire_blocks(self._hashes(request)[:max_blocks], self.store)
-            self.block_pool.free(block_ids)
-            return block_ids, len(block_ids) * self.block_size
         block_ids = []
-        for block_hash in self._hashes(request)[:max_blocks]:
+        for block_hash in self._hashes(request)[: self._max_hit_blocks(request)]:
             block_id = self.block_pool.get_cached_block(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
 
+    def _max_hit_blocks(self, request: Request) -> int:
+        num_tokens = request.num_tokens if request.prefill_only else request.num_tokens - 1
+        return num_tokens // self.block_size
+
+    # ---- prefix loads from the store (KV tiers) ------------------------------------------------
+    def start_load(self, request: Request, computed_blocks: Sequence[int]) -> bool:
+        """Start loading the blocks after `computed_blocks` that the store holds; False when none.
+
+        The device hits and the fresh blocks are referenced until the request is admitted (or
+        freed), so neither is evicted while it waits. At most one load per admission.
+        """
+        if self.store is None or not self.enable_caching or request.request_id in self._load_of:
+            return False
+        hashes = self._hashes(request)[len(computed_blocks) : self._max_hit_blocks(request)]
+        # NOTE: keep one block free beyond the load and the revived hits, so the request can be admitted.
+        num_revived = sum(1 for block_id in computed_blocks if self.block_pool.ref_cnt(block_id) == 0)
+        room = self.block_pool.num_free_blocks - num_revived - 1
+        found: list[BlockHash] = []
+        for block_hash in hashes:
+            if len(found) >= room or not self.store.contains(block_hash):
+                break
+            found.append(block_hash)
+        if not found:
+            return False
+        self.block_pool.touch(computed_blocks)
+        block_ids = self.block_pool.allocate(len(found))
+        job_id, self._next_job_id = self._next_job_id, self._next_job_id + 1
+        self._loads[job_id] = _Load(request.request_id, list(computed_blocks), found, block_ids)
+        self._load_of[request.request_id] = job_id
+        self.store.start_load(job_id, list(zip(found, block_ids, strict=True)))
+        return True
+
+    def poll_loads(self) -> list[RequestId]:
+        """Register the blocks of completed loads; returns the requests that may now be admitted."""
+        if self.store is None or not self._loads:
+            return []
+        ready: list[RequestId] = []
+        for job_id, num_loaded in self.store.finished_loads().items():
+            load = self._loads[job_id]
+            load.done = True
+            for block_id, block_hash in zip(load.block_ids[:num_loaded], load.hashes, strict=False):
+                self.block_pool.cache_block(block_id, block_hash)
+            self.block_pool.free_unused(load.block_ids[num_loaded:])  # a failed tail is recomputed
+            load.kept = load.held + load.block_ids[:num_loaded]
+            if load.cancelled:
+                self._drop_load(job_id)
+            else:
+                ready.append(load.request_id)
+        return ready
+
+    def loading_block_ids(self, request_id: RequestId) -> tuple[int, ...]:
+        """The blocks a load holds for `request_id` (its device hits, then the loaded blocks); empty without one."""
+        job_id = self._load_of.get(request_id)
+        if job_id is None:
+            return ()
+        load = self._loads[job_id]
+        return tuple(load.kept if load.done else load.held + load.block_ids)
+
+    def has_pending_loads(self) -> bool:
+        return any(not load.done for load in self._loads.values())
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) for a load in flight to complete; returns at once without one."""
+        if self.store is not None and self.has_pending_loads():
+            self.store.wait_for_loads(timeout)
+
+    def _release_load(self, request_id: RequestId) -> None:
+        """Drop the references a load holds for `request_id` (after admission or on free)."""
+        job_id = self._load_of.get(request_id)
+        if job_id is None:
+            return
+        load = self._loads[job_id]
+        if not load.done:
+            load.cancelled = True  # NOTE: the store is still writing its blocks; freed when it finishes
+            del self._load_of[request_id]
+            return
+        self._drop_load(job_id)
+
+    def _drop_load(self, job_id: int) -> None:
+        load = self._loads.pop(job_id)
+        if self._load_of.get(load.request_id) == job_id:
+            del self._load_of[load.request_id]
+        self.block_pool.free(load.kept)
+
     def acquire_blocks(self, block_hashes: Sequence[BlockHash], source: BlockSource) -> list[int]:
         """Take one reference on the block of each hash of a chain, in order; returns their ids.
+
+        Synchronous: for in-memory sources (a decoded pack or payload), between engine steps.
 
         A hash missing from the device pool is loaded from `source` into a fresh block, which is then
         registered under it. Stops at the first hash found nowhere, a failed load, or an empty free
@@ -194,6 +318,7 @@ class KVCacheManager:
         if is_new and self.enable_caching:
             self.block_pool.record_prefix_query(request.num_tokens, len(new_computed_blocks) * self.block_size)
         self.block_pool.touch(new_computed_blocks)
+        self._release_load(request_id)
         blocks.extend(new_computed_blocks)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         new_block_ids = self.block_pool.allocate(
@@ -206,6 +331,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks tail-first (chain ends are evicted first) and forget it."""
         request_id = request.request_id
+        self._release_load(request_id)
         self.block_pool.free(self._req_to_blocks.pop(request_id, []))
         self._req_to_hashes.pop(request_id, None)
         self._req_to_num_cached_blocks.pop(request_id, None)

@@ -38,7 +38,7 @@ class RequestView:
     """One live request's counters and block table, as copied between steps."""
 
     request_id: str
-    status: str  # waiting | running | preempted
+    status: str  # waiting | waiting_for_remote_kvs | running | preempted
     num_prompt_tokens: int
     num_output_tokens: int
     num_computed_tokens: int
@@ -105,8 +105,8 @@ def capture(
     manager = scheduler.kv_manager
     pool = manager.block_pool
     hashes = pool.hashes()
-    requests = [_request_view(r, manager.block_ids(r.request_id)) for r in scheduler.running]
-    requests += [_request_view(r, manager.block_ids(r.request_id)) for r in scheduler.waiting]
+    live = [*scheduler.running, *scheduler.waiting, *(r for r, _ in scheduler.loading.values())]
+    requests = [_request_view(r, manager.block_ids(r.request_id)) for r in live]
     copies: dict[int, tuple[str, ...]] = {}
     if tier_lookup is not None:
         for block_id, block_hash in enumerate(hashes):

@@ -13,6 +13,7 @@ class PositionLogprobs:
     token_id: int
     logprob: float
     top: list[TokenLogprob]  # sorted by logprob, highest first
+    rank: int | None = None  # 1 + the number of tokens more likely than `token_id` (when computed)
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds between output tokens
 
     @property
     def ttft(self) -> float | None:
@@ -63,3 +65,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # One entry per prompt token (None for the first, which has no context), when asked for.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

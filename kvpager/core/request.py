@@ -1,7 +1,7 @@
 """Request: one sequence's record as the scheduler sees it. Torch-free.
 
 The scheduler and the KV manager mutate it; the runner never sees it (it gets a frozen
-`SchedulerOutput`). Counts follow the project's vocabulary: `num_tokens` = prompt + output so far,
+`SchedulerOutput` and keeps its own state per request). Counts follow the project's vocabulary: `num_tokens` = prompt + output so far,
 `num_computed_tokens` = positions whose K/V is in the cache, `num_cached_tokens` = prompt positions
 served by the prefix cache at (first) admission.
 """
@@ -26,8 +26,14 @@ class HasMaxTokens(Protocol):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # NOTE: its prefix is being copied from a slower KV tier into device blocks (vLLM's
+    # WAITING_FOR_REMOTE_KVS); it is out of the waiting queue until the load completes.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # A prefill-only request whose prompt K/V is complete: it holds its blocks until its owner
+    # (KV export) reads them and finishes it.
+    PREFILLED = "prefilled"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -51,7 +57,11 @@ _FINISH_REASONS = {
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One sequence. `sampling_params` is opaque here except for `max_tokens`."""
+    """One sequence. `sampling_params` is opaque here except for `max_tokens`.
+
+    A `prefill_only` request (KV export) samples nothing: it needs the K/V of every prompt position,
+    may reuse every cached full block, and becomes PREFILLED once its prompt is computed.
+    """
 
     request_id: RequestId
     prompt_token_ids: list[int]
@@ -64,6 +74,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    skip_reading_prefix_cache: bool = False  # computes every prompt position (prompt logprobs need logits)
+    prefill_only: bool = False
 
     @property
     def id(self) -> RequestId:
@@ -72,7 +84,13 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        return int(self.sampling_params.max_tokens)
+        return 0 if self.prefill_only else int(self.sampling_params.max_tokens)
+
+    @property
+    def num_kv_positions(self) -> int:
+        """Positions that ever need K/V: the last sampled token is never fed back."""
+        total = self.num_prompt_tokens + self.max_tokens
+        return total if self.prefill_only else total - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,27 @@ from typing import cast
 # Below this temperature a request is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """A decoding constraint (vLLM's structured outputs): `kind` and its text.
+
+    kind: "json" (a JSON schema, serialised), "json_object" (any JSON object; `spec` unused),
+    "regex", "choice" (a JSON list of strings) or "grammar" (Lark or GBNF). The grammar engine
+    (`kvpager/worker/structured.py`) compiles it; the text is also its cache key.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -41,10 +62,15 @@ class SamplingParams:
     logprobs: int | None = None  # k >= 0: the sampled token's logprob plus the top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    prompt_logprobs: int | None = None  # k >= 0: each prompt token's logprob plus the top-k (vLLM)
+    structured: StructuredOutputSpec | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         object.__setattr__(self, "stop", stop)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         object.__setattr__(self, "stop_token_ids", [int(t) for t in (self.stop_token_ids or [])])
         self._validate()
 
@@ -75,6 +101,16 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs}",
+        )
+        bias = self.logit_bias or {}
+        _check(all(t >= 0 for t in bias), f"logit_bias token ids must be >= 0, got {sorted(bias)[:5]}")
+        _check(
+            all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values()),
+            f"logit_bias values must be in [-100, 100], got {sorted(bias.values())[:1] + sorted(bias.values())[-1:]}",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop_strings),

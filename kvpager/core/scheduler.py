@@ -6,8 +6,13 @@ Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num
    running request is preempted (possibly itself) and the allocation retried.
 2. WAITING requests, front first, are admitted while budget, sequence slots and blocks allow; a
    prompt longer than the budget left is scheduled in part (chunked prefill). No request is
-   admitted in a step that preempted one (as in vLLM v1).
-The runner receives a frozen `SchedulerOutput` and hands back sampled token ids.
+   admitted in a step that preempted one (as in vLLM v1). A request whose prefix continues in a
+   slower KV tier leaves the queue as WAITING_FOR_REMOTE_KVS while the tier loads it in the
+   background, and returns to the front once the load completes (`KVCacheManager.poll_loads`).
+A prefill-only request (KV export) is scheduled like any other but samples nothing; once its prompt
+is computed it leaves the batch as PREFILLED, holding its blocks until its owner finishes it.
+The runner receives a frozen `SchedulerOutput` (new requests once, then per-step diffs) and hands
+back sampled token ids.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvpager.core.hashing import RequestId
 from kvpager.core.kv_cache_manager import KVCacheManager, cdiv
@@ -57,31 +62,51 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One sequence's share of a step: compute `token_ids` at positions start_position.. onwards."""
+class NewRequestData:
+    """A request the runner has not seen: sent once, in the step that first schedules it."""
 
     request_id: RequestId
-    token_ids: tuple[int, ...]  # the positions computed this step
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: Any  # frozen (`SamplingParams`); opaque to the scheduler
+    block_ids: tuple[int, ...]  # its block table at admission (prefix-cache hits + new blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One sequence's share of a step: compute `num_tokens` positions from `start_position` on.
+
+    The runner knows the tokens (the prompt it was sent plus the tokens it sampled) and the block
+    table (the ids it was sent plus `new_block_ids`), so a step's size never grows with context.
+    """
+
+    request_id: RequestId
+    num_tokens: int  # positions computed this step
     start_position: int  # = num_computed_tokens before the step
-    block_ids: tuple[int, ...]  # the whole block table
+    new_block_ids: tuple[int, ...]  # appended to the block table (a resumed request: the whole table)
     needs_sample: bool  # the step reaches the last known token: its logits give the next token
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """A step's batch, in batch order, plus requests preempted this step or finished since the last."""
+    """One step, as plain frozen data (the only channel from scheduler to runner).
+
+    Apply in this order: drop `finished_ids` (finished or aborted since the last step), clear the
+    block tables of `preempted_ids` (their blocks were freed; sampling state is kept), add
+    `new_requests`, then extend each scheduled request's table by its `new_block_ids`.
+    """
 
     scheduled: tuple[ScheduledRequest, ...]
+    new_requests: tuple[NewRequestData, ...] = ()
     preempted_ids: tuple[RequestId, ...] = ()
     finished_ids: tuple[RequestId, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -118,6 +143,8 @@ class Scheduler:
         self.requests: dict[RequestId, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # NOTE: admission order; the last one is preempted first
+        # WAITING_FOR_REMOTE_KVS requests and the status they go back to once their load completes.
+        self.loading: dict[RequestId, tuple[Request, RequestStatus]] = {}
         self.num_preemptions = 0
         self._finished_ids: list[RequestId] = []
 
@@ -127,7 +154,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting requests, including those waiting for their prefix to load from a KV tier."""
+        return len(self.waiting) + len(self.loading)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -154,8 +186,7 @@ class Scheduler:
                 f"{total} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or max_tokens."
             )
-        # NOTE: the last sampled token is never fed back, so total - 1 positions need K/V.
-        num_blocks = cdiv(total - 1, self.kv_manager.block_size)
+        num_blocks = cdiv(request.num_kv_positions, self.kv_manager.block_size)
         # NOTE: pinned blocks (KV packs) are never free, so a request larger than the rest would wait forever.
         num_usable = self.kv_manager.num_usable_blocks
         if num_blocks > num_usable:
@@ -171,36 +202,48 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step's batch (running requests first, then waiting ones)."""
+        self._resume_loaded()
         batch: list[ScheduledRequest] = []
+        new: list[NewRequestData] = []
         preempted: list[RequestId] = []
         budget = self._schedule_running(self.max_num_batched_tokens, batch, preempted)
         if not preempted:  # NOTE: blocks are short this step; admitting now would only thrash
-            self._schedule_waiting(budget, batch)
+            self._schedule_waiting(budget, batch, new)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(batch), tuple(preempted), finished)
+        return SchedulerOutput(tuple(batch), tuple(new), tuple(preempted), finished)
+
+    def _resume_loaded(self) -> None:
+        """Requests whose prefix load completed go back to the front of the waiting queue."""
+        done = [self.loading.pop(rid) for rid in self.kv_manager.poll_loads() if rid in self.loading]
+        for request, status in reversed(done):
+            request.status = status
+            self.waiting.appendleft(request)
 
     def _schedule_running(self, budget: int, batch: list[ScheduledRequest], preempted: list[RequestId]) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            new_block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            if new_block_ids is None:
                 break  # it preempted itself: it was the last running request
-            batch.append(self._scheduled(request, num_new))
+            batch.append(self._scheduled(request, num_new, new_block_ids))
             budget -= num_new
             index += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[RequestId]) -> bool:
-        """Get blocks for `request`, preempting from the back of `running`; False if it went itself."""
-        while self.kv_manager.allocate_slots(request, num_new) is None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: list[RequestId]
+    ) -> tuple[int, ...] | None:
+        """Get blocks for `request`, preempting from the back of `running`; None if it went itself."""
+        while (new_block_ids := self.kv_manager.allocate_slots(request, num_new)) is None:
             # NOTE: victims come from the back, so requests already in this step's batch are safe.
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
+        return tuple(new_block_ids)
 
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue at the front; outputs are kept and recomputed with the prompt."""
@@ -211,16 +254,30 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, budget: int, batch: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: int, batch: list[ScheduledRequest], new: list[NewRequestData]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self.kv_manager.get_computed_blocks(request)
+            if self.kv_manager.start_load(request, cached_blocks):
+                # NOTE: the rest of its prefix is in a slower tier: it waits aside while others step.
+                self.waiting.popleft()
+                self.loading[request.request_id] = (request, request.status)
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                continue
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv_manager.allocate_slots(request, num_new, cached_blocks) is None:
                 break  # NOTE: first come, first served: no request overtakes the head
             self.waiting.popleft()
+            is_new = request.status is RequestStatus.WAITING
             self._admit(request, num_cached)
-            batch.append(self._scheduled(request, num_new))
+            if num_new == 0:  # a prefill-only request whose whole prompt was cached
+                self._finish_prefill(request)
+                continue
+            table = self.kv_manager.block_ids(request.request_id)
+            if is_new:
+                prompt = tuple(request.prompt_token_ids)
+                new.append(NewRequestData(request.request_id, prompt, request.sampling_params, table))
+            batch.append(self._scheduled(request, num_new, () if is_new else table))
             budget -= num_new
 
     def _admit(self, request: Request, num_cached: int) -> None:
@@ -231,28 +288,35 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _finish_prefill(self, request: Request) -> None:
+        """A prefill-only request is complete: it leaves the batch but keeps its blocks (PREFILLED)."""
+        self.running.remove(request)
+        request.status = RequestStatus.PREFILLED
+
+    def _scheduled(self, request: Request, num_new: int, new_block_ids: tuple[int, ...]) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids_between(start, start + num_new)),
+            num_tokens=num_new,
             start_position=start,
-            block_ids=self.kv_manager.block_ids(request.request_id),
-            needs_sample=start + num_new == request.num_tokens,
+            new_block_ids=new_block_ids,
+            needs_sample=start + num_new == request.num_tokens and not request.prefill_only,
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[RequestId, int]) -> list[Request]:
         """Advance computed counts and append sampled tokens; returns the requests that got a token.
 
         Stopping is the engine's call (`finish_request`). Requests finished or aborted since
-        `schedule()` are skipped.
+        `schedule()` are skipped. A prefill-only request whose prompt is now computed becomes PREFILLED.
         """
         changed: list[Request] = []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.num_computed_tokens != scheduled.start_position:
                 continue
-            request.num_computed_tokens += len(scheduled.token_ids)
+            request.num_computed_tokens += scheduled.num_tokens
+            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                self._finish_prefill(request)
             if scheduled.needs_sample:
                 if scheduled.request_id not in sampled:
                     raise ValueError(f"no sampled token for request {scheduled.request_id!r}, which needed one")
@@ -274,9 +338,11 @@ class Scheduler:
             return None
         if request in self.running:
             self.running.remove(request)
-        else:
+        elif request_id in self.loading:
+            del self.loading[request_id]
+        elif request.status is not RequestStatus.PREFILLED:
             self.waiting.remove(request)
-        self.kv_manager.free(request)
+        self.kv_manager.free(request)  # NOTE: also cancels a load in flight (its blocks wait for it)
         request.status = status
         self._finished_ids.append(request_id)
         return request
@@ -289,7 +355,7 @@ class Scheduler:
         pool = self.kv_manager.block_pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             num_preemptions=self.num_preemptions,
             kv_usage=self.kv_manager.usage,
             num_owned_blocks=pool.num_owned_blocks,

@@ -39,8 +39,14 @@ def bytes_arg(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
     """Add the engine flags (vLLM spellings) to a subcommand's parser."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory (default: bundled demo)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument(
+        "--model",
+        required=model_required,
+        help="Hugging Face checkpoint directory, or a GGUF model: a .gguf file (any part of a split one) or a directory holding one (default: bundled demo)",
+    )
+    g.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the model's; a GGUF model's is its metadata)"
+    )
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     add_weight_format_args(g)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 from kvpager.core.config import EngineConfig
@@ -25,8 +26,11 @@ from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
 from kvpager.kvstore.pack import ModelFacts, PackExpectation
 from kvpager.kvstore.remote import RemotePublisher
 from kvpager.worker.runner import ModelRunner
+from kvpager.worker.structured import GrammarCompiler
 
 logger = logging.getLogger("kvpager")
+
+LOAD_WAIT_S = 0.005  # how long an idle step waits for a prefix load from a KV tier
 
 FINISH_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -63,6 +67,8 @@ class Engine:
         self.max_model_len = lm.max_model_len
         self.model_name = str(config.model) if config.model is not None else "kvpager-demo"
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        # NOTE: thread-safe; the server compiles a request's grammar here before adding it.
+        self.grammar = GrammarCompiler(self.tokenizer.backend_json(), lm.spec.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(
             lm.model,
             lm.spec,
@@ -73,6 +79,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             fp32_matmul_precision=config.fp32_matmul_precision,
             seed=config.seed,
+            grammar=self.grammar,
         )
         tiers = build_tiers(config, lm.fingerprint)
         self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None
@@ -95,13 +102,12 @@ class Engine:
             block_size=config.block_size,
         )
         self.scheduler = Scheduler(sched_config, self.kv_manager)
-        self.kv_transfer = KVTransfer(
-            self.kv_manager, self.runner, self.kv_expectation(), config.max_num_batched_tokens, self.kv_store
-        )
+        self.kv_transfer = KVTransfer(self.kv_manager, self.runner, self.kv_expectation(), self.kv_store)
         for path in config.kv_packs:
             num_blocks = self.kv_transfer.load_pack(path)
             logger.info("KV pack %s: %d blocks pinned in the prefix cache", path, num_blocks)
         self._is_shut_down = False
+        self._changed: dict[str, None] = {}  # parents with output not reported yet (see `step`)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, lm.max_model_len)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -129,6 +135,8 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens and the prompt has "
                 f"{len(prompt_ids)} tokens, which leaves no room for output"
             )
+        if params.structured is not None:
+            self._compile_grammar(params)
         child_params = replace(params, max_tokens=max_tokens)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -136,6 +144,9 @@ class Engine:
             Request(RequestId(seq_id), list(prompt_ids), _child_params(child_params, i), arrival_time=arrival)
             for i, seq_id in enumerate(seq_ids)
         ]
+        for req in requests:
+            # NOTE: a cached prefix has no logits: prompt logprobs recompute the whole prompt (as vLLM).
+            req.skip_reading_prefix_cache = req.sampling_params.prompt_logprobs is not None
         added: list[str] = []
         try:
             for req in requests:
@@ -145,16 +156,25 @@ class Engine:
             for seq_id in added:
                 self.scheduler.abort_request(RequestId(seq_id))
             raise
-        for req in requests:
-            self.runner.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
         self.outputs.add_request(request_id, prompt_text, prompt_ids, child_params, max_tokens, seq_ids, arrival)
         self._prompt_tokens_total += len(prompt_ids)
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (or find cached) a structured-output grammar; ValueError when it is invalid.
+
+        NOTE: before any state changes, so the runner's matcher for it never fails mid-step.
+        """
+        grammar = self.runner.grammar
+        if grammar is None:
+            raise ValueError("structured output needs a grammar compiler (pip install llguidance)")
+        assert params.structured is not None
+        grammar.compile(params.structured).result()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output, or None if unknown."""
         for seq_id in self.outputs.seq_ids_of(request_id):
             self.scheduler.abort_request(RequestId(seq_id))
-            self.runner.remove_request(seq_id)
+        self._changed.pop(request_id, None)  # NOTE: its final output is returned here instead
         return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -162,25 +182,41 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of requests that produced tokens."""
+        """Run one scheduled batch; return the outputs of requests that produced tokens.
+
+        With nothing to run while a prefix loads from a KV tier, it waits briefly for the load.
+        """
+        if not self._run_step() and self.scheduler.num_loading:
+            self.kv_manager.wait_for_loads(LOAD_WAIT_S)
+        now = time.monotonic()
+        changed, self._changed = self._changed, {}
+        return [self.outputs.collect(parent_id, now) for parent_id in changed]
+
+    def _run_step(self) -> bool:
+        """Schedule and run one batch; the requests that moved wait in `_changed` for `step()` to
+        report them. Returns whether anything ran."""
         sched_out = self.scheduler.schedule()
-        if not sched_out.scheduled:
-            return []
-        sampled = self.runner.execute(sched_out)
+        if self.kv_store is not None:
+            self.kv_store.wait_for_copies()  # NOTE: blocks evicted by schedule() are read before reuse
+        sampled = self.runner.execute(sched_out)  # NOTE: also when empty: it carries finished ids
         if self.kv_publisher is not None:
             self.kv_publisher.flush()
+        if sched_out.is_empty:
+            return False
         now = time.monotonic()
         self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
-        changed: dict[str, None] = {}
         for seq_id, s in sampled.items():
             request = self.scheduler.requests[seq_id]
+            if request.sampling_params.prompt_logprobs is not None:
+                prompt_lp = self.runner.take_prompt_logprobs(seq_id)
+                if prompt_lp is not None:
+                    self.outputs.set_prompt_logprobs(seq_id, prompt_lp)
             reason = self.outputs.process_token(seq_id, s.token_id, s.logprobs, request.num_cached_tokens, now)
             self._generation_tokens_total += 1
             if reason is not None:
                 self.scheduler.finish_request(seq_id, FINISH_STATUS[reason])
-                self.runner.remove_request(seq_id)
-            changed[self.outputs.parent_of(seq_id)] = None
-        return [self.outputs.collect(parent_id, now) for parent_id in changed]
+            self._changed[self.outputs.parent_of(seq_id)] = None
+        return True
 
     def stats(self) -> EngineStats:
         pool = self.kv_manager.block_pool
@@ -218,11 +254,41 @@ class Engine:
     def export_kv(self, prompt: str | list[int], codec: str = "lossless") -> bytes:
         """KV pack bytes of the prompt's full blocks, prefilling those not cached (ValueError on bad input).
 
-        Call between steps (on the engine thread); running requests are not disturbed.
+        Call between steps (on the engine thread). The blocks not cached are computed by a
+        prefill-only request through the scheduler, so running requests keep stepping meanwhile
+        (their outputs are reported by the next `step()`).
         """
         _, prompt_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_ids)
-        return self.kv_transfer.export(prompt_ids, codec)
+        num_full = self.kv_transfer.check_exportable(prompt_ids)
+        request = self._prefill_only(prompt_ids[: num_full * self.config.block_size])
+        try:
+            block_ids = self.kv_manager.block_ids(request.request_id)[:num_full]
+            return self.kv_transfer.export(prompt_ids, block_ids, codec)
+        finally:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _prefill_only(self, token_ids: list[int]) -> Request:
+        """Run a prefill-only request through the scheduler until its prompt K/V is complete.
+
+        Returns it PREFILLED, still holding its blocks; the caller finishes it.
+        """
+        request_id = RequestId(f"kv-export-{uuid.uuid4().hex}")
+        request = Request(request_id, token_ids, SamplingParams(max_tokens=1), prefill_only=True)
+        self.scheduler.add_request(request)  # ValueError when the pool can never hold it
+        while request.status is not RequestStatus.PREFILLED:
+            if self._run_step():
+                continue
+            if request.status is RequestStatus.PREFILLED:
+                break
+            if not self.scheduler.num_loading:
+                self.scheduler.abort_request(request_id)
+                raise ValueError(
+                    f"not enough free KV blocks to prefill {len(token_ids)} tokens for export; "
+                    "retry when the engine is less busy or give the KV pool more memory"
+                )
+            self.kv_manager.wait_for_loads(LOAD_WAIT_S)
+        return request
 
     def import_kv(self, payload: bytes, max_bytes: int | None = None) -> int:
         """Load a KV payload (from `export_kv` or a pack file) into the prefix cache; returns blocks imported.
@@ -252,9 +318,11 @@ class Engine:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        self.grammar.shutdown()
         if self.kv_store is None:
             return
         written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
+        self.kv_store.close()
         logger.info("KV tiers: %d blocks flushed to disk at shutdown", written)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -282,7 +350,9 @@ class Engine:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible."""
-    if index == 0 or params.seed is None:
+    """Sample i of n: the seed is offset by i so seeded samples differ yet stay reproducible; only
+    sample 0 computes prompt logprobs (the others may then share the prompt's cached blocks)."""
+    if index == 0:
         return params
-    return replace(params, seed=params.seed + index)
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, seed=seed, prompt_logprobs=None)

@@ -1,5 +1,8 @@
 """Engine-side KV packs and transfer: export a prompt's full blocks, import a payload, pin packs.
 
+The K/V an export needs is computed by the engine's one scheduler (a prefill-only request, see
+`Engine.export_kv`); this module only encodes the blocks it is given and inserts decoded ones.
+
 The bytes are the KV pack format (`kvpager.kvstore.pack`, docs/kv-pack-format.md) whether they go to a
 file (`kvpager kv save`), over HTTP (`/v1/kv/export`, `/v1/kv/import`) or are pinned at start
 (`--kv-pack`). Every import checks the model facts and fingerprint (a mismatch names the field),
@@ -12,17 +15,13 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvpager.core.hashing import BlockHash, RequestId, hash_prompt_blocks
+from kvpager.core.hashing import BlockHash, hash_prompt_blocks
 from kvpager.core.kv_cache_manager import KVCacheManager
-from kvpager.core.request import Request
-from kvpager.core.sampling_params import SamplingParams
-from kvpager.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvpager.kvstore.offload import BlockIO, MoveCounters, TieredBlockStore
 from kvpager.kvstore.pack import (
     Pack,
@@ -32,20 +31,26 @@ from kvpager.kvstore.pack import (
     encode_payload,
     read_pack,
 )
-from kvpager.worker.runner import ModelRunner
 
 
 @dataclass(frozen=True)
 class PackSource:
-    """`BlockSource` over the decoded blocks of a pack (loads always succeed)."""
+    """`BlockSource` over the decoded blocks of a pack (loads always succeed).
+
+    `store` is the engine's tier store: a fresh block may still be copying out the K/V it held
+    before it was evicted, so each write waits for the copy-outs first.
+    """
 
     blocks: dict[BlockHash, torch.Tensor]
     io: BlockIO
+    store: TieredBlockStore | None = None
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self.blocks
 
     def load_into(self, block_hash: BlockHash, block_id: int) -> bool:
+        if self.store is not None:
+            self.store.wait_for_copies()
         self.io.write_block(block_id, self.blocks[block_hash])
         return True
 
@@ -56,40 +61,38 @@ class KVTransfer:
     def __init__(
         self,
         kv_manager: KVCacheManager,
-        runner: ModelRunner,
+        io: BlockIO,
         expectation: PackExpectation,
-        max_num_batched_tokens: int,
         store: TieredBlockStore | None = None,
     ) -> None:
         self.kv_manager = kv_manager
-        self.runner = runner
+        self.io = io
         self.expectation = expectation
         self.seed = bytes.fromhex(expectation.model_fingerprint)
         self.block_size = expectation.model.block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.store = store
         self.exported = MoveCounters()
         self.imported = MoveCounters()
         self.pinned_block_ids: list[int] = []
 
-    def export(self, token_ids: Sequence[int], codec: str = "lossless") -> bytes:
-        """Pack bytes of the full blocks of `token_ids`, prefilling the blocks not cached yet."""
-        start = time.perf_counter()
+    def check_exportable(self, token_ids: Sequence[int]) -> int:
+        """The number of full blocks of `token_ids`; ValueError when there is none."""
         num_full = len(token_ids) // self.block_size
         if num_full == 0:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, fewer than one KV block of {self.block_size}; "
                 "nothing to export"
             )
+        return num_full
+
+    def export(self, token_ids: Sequence[int], block_ids: Sequence[int], codec: str = "lossless") -> bytes:
+        """Pack bytes of the full blocks of `token_ids`, whose K/V is in device blocks `block_ids`."""
+        start = time.perf_counter()
+        num_full = self.check_exportable(token_ids)
         header = PackHeader(self.expectation.model_fingerprint, self.expectation.model, tuple(token_ids))
         hashes = hash_prompt_blocks(self.seed, token_ids, self.block_size)
-        request = self._prefill(list(token_ids[: num_full * self.block_size]))
-        try:
-            block_ids = self.kv_manager.block_ids(request.request_id)[:num_full]
-            blocks = [(h, self.runner.read_block(b)) for h, b in zip(hashes, block_ids, strict=True)]
-            data = encode_payload(header, blocks, codec)
-        finally:
-            self.kv_manager.free(request)
+        blocks = [(h, self.io.read_block(b)) for h, b in zip(hashes, block_ids, strict=True)]
+        data = encode_payload(header, blocks, codec)
         self._count(self.exported, num_full, len(data), start)
         return data
 
@@ -137,42 +140,8 @@ class KVTransfer:
                 )
 
     def _insert(self, pack: Pack, *, pin: bool) -> list[int]:
-        source = PackSource(dict(pack.blocks), self.runner)
+        source = PackSource(dict(pack.blocks), self.io, self.store)
         return self.kv_manager.insert_blocks(pack.block_hashes, source, pin=pin)
-
-    def _prefill(self, token_ids: list[int]) -> Request:
-        """Compute the K/V of `token_ids` (whole blocks) into the pool, outside the scheduler.
-
-        Returns the internal request that owns the blocks; the caller frees it. NOTE: the request
-        carries one extra, never computed token so that the prefix-cache lookup may return every
-        full block (lookups stop at num_tokens - 1).
-        """
-        request = Request(RequestId(f"kv-export-{uuid.uuid4().hex}"), token_ids + [0], SamplingParams(max_tokens=1))
-        new_blocks, _ = self.kv_manager.get_computed_blocks(request)
-        while True:
-            num_done = request.num_computed_tokens + len(new_blocks) * self.block_size
-            num_new = min(len(token_ids) - num_done, self.max_num_batched_tokens)
-            if self.kv_manager.allocate_slots(request, num_new, new_blocks) is None:
-                self.kv_manager.free(request)
-                raise ValueError(
-                    f"not enough free KV blocks to prefill {len(token_ids)} tokens for export; "
-                    "retry when the engine is less busy or give the KV pool more memory"
-                )
-            request.num_computed_tokens, new_blocks = num_done, []
-            if num_new == 0:
-                return request
-            self._run(request, token_ids[num_done : num_done + num_new], num_done)
-            request.num_computed_tokens += num_new
-
-    def _run(self, request: Request, token_ids: list[int], start: int) -> None:
-        scheduled = ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=tuple(token_ids),
-            start_position=start,
-            block_ids=self.kv_manager.block_ids(request.request_id),
-            needs_sample=False,
-        )
-        self.runner.execute(SchedulerOutput((scheduled,)))
 
     def _count(self, counters: MoveCounters, num_blocks: int, num_bytes: int, start: float) -> None:
         counters.blocks += num_blocks

@@ -14,12 +14,14 @@ from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
 from kvpager.core.hashing import model_fingerprint
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
+from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
 from kvpager.model.loader import load_model, model_weight_bytes, quantized_weights_digest
-from kvpager.model.spec import ModelSpec, load_model_spec
+from kvpager.model.spec import ModelSpec, load_model_spec, spec_from_gguf
+from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
 from kvpager.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvpager")
@@ -59,8 +61,9 @@ def load(config: EngineConfig) -> LoadedModel:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model)
-    spec = load_model_spec(str(model_dir))
-    tokenizer = Tokenizer.from_dir(str(Path(config.tokenizer) if config.tokenizer else model_dir))
+    gguf_model = open_gguf(model_dir) if config.load_format != "safetensors" and is_gguf_path(model_dir) else None
+    spec = spec_from_gguf(gguf_model) if gguf_model is not None else load_model_spec(str(model_dir))
+    tokenizer = load_tokenizer(config.tokenizer, model_dir, gguf_model)
     max_model_len = resolve_max_model_len(config, spec)
     device = resolve_device(config.device)
     config = replace(config, dtype=resolve_dtype(config.dtype, spec.torch_dtype, device.type))
@@ -73,6 +76,7 @@ def load(config: EngineConfig) -> LoadedModel:
         load_format=config.load_format,
         kernel_backend=config.kernel_backend,
         kv_dtype=kv_dtype,
+        gguf_model=gguf_model,
         quantization=config.quantization,
         quantization_group_size=config.resolved_quantization_group_size,
     )
@@ -86,7 +90,12 @@ def load(config: EngineConfig) -> LoadedModel:
             f"KV cache budget of {budget} bytes holds no block of {pool.bytes_per_block} bytes; "
             "raise --kv-cache-memory or lower --block-size"
         )
-    weights_digest = "dummy" if config.load_format == "dummy" else weights_file_digest(model_dir)
+    if config.load_format == "dummy":
+        weights_digest = "dummy"
+    elif gguf_model is not None:
+        weights_digest = f"gguf:{gguf_model.digest()}"  # tensor data and hyper-parameters (kvpager.gguf)
+    else:
+        weights_digest = weights_file_digest(model_dir)
     if config.quantization is not None:
         # NOTE: KV computed with quantized weights is not the float model's: the fingerprint commits to
         # the method, its group size and the quantized bytes themselves.
@@ -137,6 +146,17 @@ def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.devic
         quant,
         path,
     )
+
+
+def load_tokenizer(override: str | None, model_dir: Path, gguf_model: GGUFModel | None) -> Tokenizer:
+    """--tokenizer DIR (or another GGUF model) wins; else the GGUF metadata's vocabulary, else model_dir's files."""
+    if override is not None:
+        if is_gguf_path(override):
+            return tokenizer_from_gguf(open_gguf(override))
+        return Tokenizer.from_dir(str(Path(override)))
+    if gguf_model is not None:
+        return tokenizer_from_gguf(gguf_model)
+    return Tokenizer.from_dir(str(model_dir))
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

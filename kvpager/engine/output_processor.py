@@ -40,6 +40,7 @@ class ParentState:
     num_cached_tokens: int = 0
     num_finished: int = 0
     changed: set[int] = field(default_factory=set)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -87,6 +88,8 @@ class OutputProcessor:
         metrics = parent.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+        elif metrics.last_token_time is not None and seq.index == 0:
+            metrics.inter_token_latencies.append(now - metrics.last_token_time)
         metrics.last_token_time = now
         out = seq.output
         out.token_ids.append(token_id)
@@ -111,6 +114,11 @@ class OutputProcessor:
             self._emit(seq, seq.stop_checker.flush())
             return self._finish(seq, reason)
         return None
+
+    def set_prompt_logprobs(self, seq_id: str, prompt_logprobs: list[PositionLogprobs | None]) -> None:
+        """Attach the prompt's logprobs (computed by sample 0) to its request's outputs."""
+        parent = self.parents[self.seqs[seq_id].parent_id]
+        parent.prompt_logprobs = prompt_logprobs
 
     def _check_token_stop(self, seq: SequenceState, token_id: int) -> str | None:
         params = seq.params
@@ -177,6 +185,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
     def parent_of(self, seq_id: str) -> str:

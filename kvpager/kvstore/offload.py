@@ -1,18 +1,31 @@
 """The glue between the device pool and the KV tiers: the `BlockStore` the KV manager talks to.
 
-The pool calls `on_evict(block_id, hash)` before it reuses a cached block (at allocation time, during
-`schedule()`, so before the runner's next forward overwrites it): the block's K/V is copied into the
-tiers (host first, spilling to disk: `KVTiers` is write-back). A prefix lookup that misses the pool
-asks `contains`/`load_into`: the tiers' copy is decoded and written into a fresh device block.
-The scheduler and the pool never see a tier; they see a `BlockStore` or nothing.
+Tier I/O runs off the scheduling path, on two background threads:
+- copy-out: the pool calls `on_evict(block_id, hash)` when it reuses a cached block (during
+  `schedule()`); that only queues the block, and the copy thread copies its K/V out of the device
+  pool into a host tensor. A block being copied out stays valid on the device until its copy
+  completes: the engine calls `wait_for_copies()` before the runner's forward writes into the
+  blocks of the step, and a load into a block waits for that block's copy-out.
+- tier I/O: copied blocks are encoded and written into the tiers (host first, spilling to disk:
+  write-back) by the I/O thread, from a bounded queue (`max_pending_writes`; a copy-out finding it
+  full drops its block, counted in `dropped`: a cache may forget, a step must not wait for a disk).
+  Prefix loads (`start_load`) run on the same thread in the same FIFO order, so a block evicted
+  before a load was asked for is found by it; the request waits as WAITING_FOR_REMOTE_KVS meanwhile.
+The scheduler and the pool never see a tier or a thread; they see a `BlockStore` or nothing.
+NOTE: device blocks are read and written from the worker threads: see the fences above; a block
+being loaded is owned by the waiting request, so it is in no batch.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +34,33 @@ from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.codec import get_codec
 from kvpager.kvstore.remote import RemoteTier
 from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers, TierStats
+
+logger = logging.getLogger("kvpager.kvstore.offload")
+
+DEFAULT_MAX_PENDING_WRITES = 256  # copied-out blocks waiting for the I/O thread
+IDLE_CHECK_S = 1.0  # how often an idle worker thread checks whether its store still exists
+
+
+def _run_worker(
+    ref: weakref.ReferenceType[TieredBlockStore], cond: threading.Condition, work: deque[Any], step: str
+) -> None:
+    """A worker thread: wait for `work`, run `store.<step>()`; ends when it returns False or the store is gone.
+
+    NOTE: it holds the store only while it works, so a store dropped without close() is collected.
+    """
+    while True:
+        with cond:
+            if not work:
+                cond.wait(IDLE_CHECK_S)
+        store = ref()
+        if store is None:
+            return
+        try:
+            if not getattr(store, step)():
+                return
+        except Exception:  # NOTE: a failed job loses its work, never the thread (drain() must end)
+            logger.exception("KV tiers: background %s failed", step)
+        del store
 
 
 class BlockIO(Protocol):
@@ -45,8 +85,10 @@ class KVTierStats:
     """Everything `engine.kv_tier_stats()` reports (for /metrics and `kvpager bench`).
 
     `host`/`disk` are the tiers' own counters (None when the tier is off); `offloaded` counts device
-    evictions copied into the tiers, `restored` tier blocks copied back into the pool (`bytes` =
-    raw device bytes); `exported`/`imported` count KV payloads (`bytes` = payload bytes).
+    blocks copied into the tiers, `restored` tier blocks copied back into the pool (`bytes` = raw
+    device bytes); `exported`/`imported` count KV payloads (`bytes` = payload bytes); `dropped`
+    counts copied-out blocks not written because the write queue was full. Taken without waiting
+    for the background I/O in flight (`TieredBlockStore.drain` settles it).
     """
 
     host: TierStats | None
@@ -58,10 +100,15 @@ class KVTierStats:
     exported: MoveCounters = field(default_factory=MoveCounters)
     imported: MoveCounters = field(default_factory=MoveCounters)
     pinned_blocks: int = 0
+    dropped: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """Flat `{name: value}` (e.g. `host_hits`, `disk_skipped`, `restored_seconds`) for metrics."""
-        flat: dict[str, float] = {"device_evictions": self.device_evictions, "pinned_blocks": self.pinned_blocks}
+        flat: dict[str, float] = {
+            "device_evictions": self.device_evictions,
+            "pinned_blocks": self.pinned_blocks,
+            "dropped": self.dropped,
+        }
         for tier_name, tier in (("host", self.host), ("disk", self.disk), ("remote", self.remote)):
             if tier is not None:
                 flat.update({f"{tier_name}_{key}": value for key, value in asdict(tier).items()})
@@ -102,47 +149,146 @@ def build_tiers(config: EngineConfig, fingerprint: bytes) -> KVTiers | None:
     return KVTiers(host, disk, remote)
 
 
+@dataclass(frozen=True, slots=True)
+class _Store:
+    block_hash: BlockHash
+    block: torch.Tensor  # a host copy
+    start: float  # when its copy-out began (for `offloaded.seconds`)
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    job_id: int
+    blocks: list[tuple[BlockHash, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Flush:
+    result: list[int]  # receives the number of blocks written
+
+
+_Job = _Store | _Load | _Flush
+
+
 class TieredBlockStore:
     """`BlockStore` over `KVTiers`: device evictions go down into the tiers, prefix misses come back up."""
 
-    def __init__(self, tiers: KVTiers, io: BlockIO, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        tiers: KVTiers,
+        io: BlockIO,
+        device: torch.device | str = "cpu",
+        *,
+        max_pending_writes: int = DEFAULT_MAX_PENDING_WRITES,
+    ) -> None:
+        if max_pending_writes < 1:
+            raise ValueError(f"max_pending_writes must be >= 1, got {max_pending_writes}")
         self.tiers = tiers
         self.io = io
         self.device = device
+        self.max_pending_writes = max_pending_writes
         self.offloaded = MoveCounters()
         self.restored = MoveCounters()
+        self.dropped = 0
+        self._cond = threading.Condition()
+        self._copies: deque[tuple[int, BlockHash]] = deque()
+        self._copying: dict[int, BlockHash] = {}  # block id -> hash, until its copy-out is done
+        self._staged: set[BlockHash] = set()  # queued for copy-out or writing
+        self._jobs: deque[_Job] = deque()  # the I/O thread's FIFO
+        self._num_writes = 0  # store jobs in `_jobs`
+        self._io_busy = False
+        self._finished: dict[int, int] = {}
+        self._closed = False
+        # NOTE: the threads hold the store weakly between jobs, so a store (and the KV pool its
+        # `io` holds) that is dropped without close() is still collected; the threads then end.
+        ref = weakref.ref(self)
+        self._threads = [
+            threading.Thread(
+                target=_run_worker, args=(ref, self._cond, self._copies, "_copy_once"), name="kvpager-kv-copy"
+            ),
+            threading.Thread(target=_run_worker, args=(ref, self._cond, self._jobs, "_io_once"), name="kvpager-kv-io"),
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
 
+    # ---- BlockStore (called on the engine thread; none waits for tier I/O) ---------------------
     def contains(self, block_hash: BlockHash) -> bool:
-        return self.tiers.contains(block_hash)
-
-    def load_into(self, block_hash: BlockHash, block_id: int) -> bool:
-        """Copy the tiers' block into device block `block_id`; False on a miss or a bad disk record."""
-        start = time.perf_counter()
-        block = self.tiers.lookup(block_hash, self.device)
-        if block is None:
-            return False
-        self.io.write_block(block_id, block)
-        self._count(self.restored, block, start)
-        return True
+        return block_hash in self._staged or self.tiers.contains(block_hash)
 
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        """Copy a block the pool is about to reuse into the tiers (its K/V is still intact)."""
-        self.put(block_hash, self.io.read_block(block_id))
+        """Queue the copy-out of a block the pool is reusing (its K/V is intact until the next write)."""
+        with self._cond:
+            if block_hash in self._staged or self.tiers.contains(block_hash):
+                return  # NOTE: a held block is never rewritten
+            self._staged.add(block_hash)
+            closed = self._closed
+            if not closed:
+                self._copying[block_id] = block_hash
+                self._copies.append((block_id, block_hash))
+                self._cond.notify_all()
+        if closed:  # NOTE: after close() (e.g. a step after shutdown), inline
+            self._store(block_hash, self.io.read_block(block_id).to("cpu", copy=True), time.perf_counter())
 
+    def wait_for_copies(self) -> None:
+        """Return once every queued copy-out has read its block (device-to-host copies, never disk I/O).
+
+        The engine calls it before the runner's forward, which may write into reused blocks.
+        """
+        with self._cond:
+            while self._copying:
+                self._cond.wait()
+
+    def start_load(self, job_id: int, blocks: Sequence[tuple[BlockHash, int]]) -> None:
+        self._submit(_Load(job_id, list(blocks)))
+
+    def finished_loads(self) -> dict[int, int]:
+        with self._cond:
+            finished, self._finished = self._finished, {}
+        return finished
+
+    def wait_for_loads(self, timeout: float) -> None:
+        with self._cond:
+            if not self._finished:
+                self._cond.wait(timeout)
+
+    # ---- engine-side calls ---------------------------------------------------------------------
     def put(self, block_hash: BlockHash, block: torch.Tensor) -> None:
-        """Keep `block` ([num_layers, 2, block_size, num_kv_heads, head_dim]) in the tiers."""
-        start = time.perf_counter()
-        is_new = not self.tiers.contains(block_hash)
-        self.tiers.offload(block_hash, block)  # NOTE: a held block is only refreshed (LRU), never rewritten
-        if is_new:
-            self._count(self.offloaded, block, start)
+        """Keep a host `block` ([num_layers, 2, block_size, num_kv_heads, head_dim]) in the tiers
+        (an imported block that did not fit the pool); written in the background, never dropped."""
+        with self._cond:
+            if block_hash in self._staged:
+                return
+            self._staged.add(block_hash)
+        self._submit(_Store(block_hash, block, time.perf_counter()))
 
     def persist(self, cached: Sequence[tuple[BlockHash, int]]) -> int:
-        """At shutdown: copy the pool's cached blocks into the tiers, then flush host to disk."""
+        """At shutdown: copy the pool's cached blocks into the tiers, then flush host to disk.
+
+        Waits for all of it; returns the number of blocks the flush wrote to disk.
+        """
         for block_hash, block_id in cached:
-            if not self.tiers.contains(block_hash):
-                self.on_evict(block_id, block_hash)
-        return self.tiers.flush()
+            self.on_evict(block_id, block_hash)
+        self.drain()
+        flushed: list[int] = []
+        self._submit(_Flush(flushed))
+        self.drain()
+        return flushed[0] if flushed else 0
+
+    def drain(self) -> None:
+        """Wait until every copy-out, write and load asked for so far has completed."""
+        with self._cond:
+            while self._copying or self._jobs or self._io_busy:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Drain, then stop the threads; later calls run their I/O inline on the caller's thread."""
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
 
     def stats(self, device_evictions: int) -> KVTierStats:
         return KVTierStats(
@@ -152,7 +298,100 @@ class TieredBlockStore:
             remote=self.tiers.remote.stats if self.tiers.remote is not None else None,
             offloaded=MoveCounters(**asdict(self.offloaded)),
             restored=MoveCounters(**asdict(self.restored)),
+            dropped=self.dropped,
         )
+
+    # ---- the worker threads ----------------------------------------------------------------------
+    def _submit(self, job: _Job) -> None:
+        with self._cond:
+            if not self._closed:
+                self._jobs.append(job)
+                self._num_writes += isinstance(job, _Store)
+                self._cond.notify_all()
+                return
+        self._run_job(job)  # NOTE: after close() (e.g. a step after shutdown), inline
+
+    def _copy_once(self) -> bool:
+        """Copy out one queued block, if any; False once closed and idle."""
+        with self._cond:
+            if not self._copies:
+                return not self._closed
+            block_id, block_hash = self._copies.popleft()
+        start = time.perf_counter()
+        block: torch.Tensor | None = None
+        try:
+            block = self.io.read_block(block_id).to("cpu", copy=True)
+        except Exception:  # NOTE: lose this cache entry; never leave wait_for_copies() hanging
+            logger.exception("KV tiers: could not copy out block %d", block_id)
+        with self._cond:
+            del self._copying[block_id]
+            if block is None:
+                self._staged.discard(block_hash)
+            elif self._num_writes < self.max_pending_writes:
+                self._jobs.append(_Store(block_hash, block, start))
+                self._num_writes += 1
+            else:
+                self._staged.discard(block_hash)
+                self.dropped += 1
+            self._cond.notify_all()
+        return True
+
+    def _io_once(self) -> bool:
+        """Run one queued I/O job, if any; False once closed and idle."""
+        with self._cond:
+            if not self._jobs:
+                return not self._closed
+            job = self._jobs.popleft()
+            self._num_writes -= isinstance(job, _Store)
+            self._io_busy = True
+        try:
+            self._run_job(job)
+        finally:
+            with self._cond:
+                self._io_busy = False
+                self._cond.notify_all()
+        return True
+
+    def _run_job(self, job: _Job) -> None:
+        if isinstance(job, _Store):
+            self._store(job.block_hash, job.block, job.start)
+        elif isinstance(job, _Load):
+            num_loaded = self._load(job.blocks)
+            with self._cond:
+                self._finished[job.job_id] = num_loaded
+                self._cond.notify_all()
+        else:
+            job.result.append(self.tiers.flush())
+
+    def _store(self, block_hash: BlockHash, block: torch.Tensor, start: float) -> None:
+        try:
+            is_new = not self.tiers.contains(block_hash)
+            self.tiers.offload(block_hash, block)  # NOTE: a held block is only refreshed (LRU), never rewritten
+            if is_new:
+                self._count(self.offloaded, block, start)
+        except Exception:  # NOTE: a failed write loses a cache entry, never the engine
+            logger.exception("KV tiers: could not store block %s", block_hash.hex()[:16])
+        finally:
+            with self._cond:
+                self._staged.discard(block_hash)
+
+    def _load(self, blocks: list[tuple[BlockHash, int]]) -> int:
+        """Copy the tiers' blocks into their device blocks, in order; stops at the first miss."""
+        for index, (block_hash, block_id) in enumerate(blocks):
+            start = time.perf_counter()
+            try:
+                block = self.tiers.lookup(block_hash, self.device)
+                if block is None:
+                    return index
+                with self._cond:  # NOTE: the fresh block may still be copying out what it held
+                    while block_id in self._copying:
+                        self._cond.wait()
+                self.io.write_block(block_id, block)
+            except Exception:
+                logger.exception("KV tiers: could not load block %s", block_hash.hex()[:16])
+                return index
+            self._count(self.restored, block, start)
+        return len(blocks)
 
     @staticmethod
     def _count(counters: MoveCounters, block: torch.Tensor, start: float) -> None:

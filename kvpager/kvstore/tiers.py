@@ -7,7 +7,8 @@ restart finds them). Lookups go host, then disk; a disk hit is promoted to the h
 
 Blocks are keyed by their content hash (opaque bytes), so a hit is always the right data for the
 right model: the disk tier is namespaced by the model fingerprint and checks it in every record.
-NOTE: the tiers are not thread-safe; the engine thread owns them.
+NOTE: the tiers are not thread-safe: one thread (the offload I/O thread, `kvpager.kvstore.offload`)
+reads and writes them; `contains` (a dict lookup) may be called from any thread.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ embedding, lm_head, norms and biases stay in `dtype`.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,16 @@ import torch
 from torch import nn
 
 from kvpager.core.config import LOAD_FORMATS, QUANTIZATIONS
+from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
+from kvpager.model.gguf_weights import read_gguf_state
 from kvpager.model.llama import CausalLM
 from kvpager.model.safetensors_mmap import MappedSafetensors
-from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json
+from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json, spec_from_gguf
+
+logger = logging.getLogger("kvpager")
 
 _T = TypeVar("_T")
 DUMMY_STD = 0.02
@@ -48,6 +53,7 @@ class _Source:
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     release: Callable[[tuple[int, int] | None], None] = lambda rows: None  # rows (first, end) or all
+    owned: bool = False  # read() is an in-memory tensor the model may keep as it is
 
 
 def load_model(
@@ -59,6 +65,7 @@ def load_model(
     seed: int = 0,
     kernel_backend: str = "auto",
     kv_dtype: torch.dtype | None = None,
+    gguf_model: GGUFModel | None = None,
     quantization: str | None = None,
     quantization_group_size: int | None = None,
 ) -> CausalLM:
@@ -71,13 +78,19 @@ def load_model(
 
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
+    "auto"/"gguf" read a GGUF model when `model_dir` is a .gguf file or a directory holding one (or pass
+    the already opened `gguf_model`); quantized tensors are dequantized to `dtype` (logged per type).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     device = torch.device(device)
-    spec = load_model_spec(model_dir)
+    if gguf_model is None and (load_format == "gguf" or (load_format != "safetensors" and is_gguf_path(model_dir))):
+        gguf_model = open_gguf(model_dir)
+    if gguf_model is not None and load_format == "safetensors":
+        raise ValueError(f"{str(model_dir)!r} is a GGUF model; use load_format 'auto' or 'gguf', not 'safetensors'")
+    spec = spec_from_gguf(gguf_model) if gguf_model is not None else load_model_spec(model_dir)
     with torch.device("meta"):
         model = CausalLM(spec)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
@@ -87,6 +100,11 @@ def load_model(
     try:
         if load_format == "dummy":
             sources = _dummy_sources(expected, seed)
+        elif gguf_model is not None:
+            tensors, report = read_gguf_state(gguf_model, spec, dtype)
+            for line in report.lines():
+                logger.info("GGUF weights %s", line)
+            sources = _fuse(spec, {n: _owned_source(tensors, n) for n in list(tensors)})
         else:
             files = [MappedSafetensors(p) for p in safetensors_files(Path(model_dir))]
             sources = _fuse(spec, _checkpoint_sources(files, spec))
@@ -167,6 +185,11 @@ def _materialise(
     parts: list[_Source], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """The tensor in `dtype` on `device`, each part copied (and converted) into its rows, then released."""
+    if len(parts) == 1 and parts[0].owned:
+        src = parts[0].read()
+        if src.dtype == dtype and src.device == device and tuple(src.shape) == shape and src.is_contiguous():
+            parts[0].release(None)
+            return src
     out = torch.empty(shape, dtype=dtype, device=device)
     if not shape:
         out.copy_(parts[0].read())
@@ -238,6 +261,16 @@ def _checkpoint_sources(files: list[MappedSafetensors], spec: ModelSpec) -> dict
                 continue
             sources[name.removeprefix("model.")] = _Source(info.shape, _bind(f.view, name), _bind_release(f, name))
     return sources
+
+
+def _owned_source(tensors: dict[str, torch.Tensor], name: str) -> _Source:
+    """A tensor already in memory (GGUF, dequantized): used as is when it fits, dropped once consumed."""
+    return _Source(tuple(tensors[name].shape), lambda: tensors[name], lambda rows: _drop(tensors, name, rows), True)
+
+
+def _drop(tensors: dict[str, torch.Tensor], name: str, rows: tuple[int, int] | None) -> None:
+    if name in tensors and (rows is None or rows[1] >= tensors[name].shape[0]):
+        del tensors[name]
 
 
 def _bind(fn: Callable[[str], _T], name: str) -> Callable[[], _T]:

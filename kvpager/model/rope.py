@@ -25,6 +25,8 @@ def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3(inv_freq, scaling)
+    if rope_type == "freq_factors":  # GGUF's rope_freqs tensor (llama.cpp divides each frequency by it)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     # NOTE: "dynamic" equals "default" for positions < max_position_embeddings (the table's range).
     return inv_freq
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.core.sizing import KVShape
+from kvpager.gguf import GGUFModel, hf_config_from_gguf, is_gguf_path, open_gguf
 from kvpager.planner.models import facts_from_config, read_config_json
 
 
@@ -34,7 +35,8 @@ SUPPORTED_ARCHITECTURES: dict[str, _ArchRules] = {
 
 # RoPE types the model implements. NOTE: "dynamic" (NTK) only changes the frequencies beyond
 # max_position_embeddings, and positions never go beyond it here, so it equals "default".
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# "freq_factors": one divisor per frequency given as a list ("factors"), how GGUF files store Llama 3's.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
 
 
 class ModelFileNotFoundError(FileNotFoundError, ValueError):
@@ -162,14 +164,24 @@ class ModelSpec:
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
-    """Read `model_dir/config.json` (+ generation_config.json when present) into a ModelSpec."""
+    """Read `model_dir/config.json` (+ generation_config.json when present) into a ModelSpec.
+
+    A GGUF model (a .gguf file, or a directory holding one and no config.json) is read from its metadata.
+    """
     root = Path(model_dir)
+    if is_gguf_path(root):
+        return spec_from_gguf(open_gguf(root))
     if not root.is_dir():
         raise ModelFileNotFoundError(f"model directory {str(root)!r} does not exist or is not a directory")
     config = read_json(root / "config.json")
     gen_path = root / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else None
     return ModelSpec.from_hf_config(config, generation)
+
+
+def spec_from_gguf(model: GGUFModel) -> ModelSpec:
+    """The ModelSpec of an opened GGUF model (its metadata mapped onto a config.json dict)."""
+    return ModelSpec.from_hf_config(hf_config_from_gguf(model))
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvpager.gguf import hf_config_from_gguf, is_gguf_path, open_gguf
+
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 _QWEN_FAMILY = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _GEMMA3 = ("gemma3", "gemma3_text")
@@ -220,8 +222,14 @@ def find_shipped(name: str) -> dict[str, Any] | None:
 
 
 def load_model_facts(model: str) -> ModelFacts:
-    """MODEL is a model directory, a config.json path, or a shipped model name (ValueError otherwise)."""
+    """MODEL is a model directory, a config.json path, a GGUF model (file, split part or directory holding
+    one) or a shipped model name (ValueError otherwise)."""
     path = Path(model).expanduser()
+    if is_gguf_path(path):
+        gguf_model = open_gguf(path)
+        return facts_from_config(
+            hf_config_from_gguf(gguf_model), name=gguf_model.path.stem, source=str(gguf_model.path)
+        )
     if path.is_dir():
         return _facts_from_file(path / "config.json", name=path.name)
     if path.is_file():

@@ -131,9 +131,11 @@ def resolve_weights(
     if fmt is None and model_dir is not None:
         checkpoint = read_checkpoint_weights(model_dir)
         if checkpoint is not None:
-            note = (
-                f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
-            )
+            if checkpoint.tensor_types is not None:
+                types = ", ".join(f"{name} x{count}" for name, count in checkpoint.tensor_types)
+                note = f"exact: GGUF tensor data of {len(checkpoint.files)} file(s) ({types}), {checkpoint.num_elements:,} elements"
+            else:
+                note = f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
             return WeightsAnswer("checkpoint", None, note, checkpoint.num_bytes)
     chosen = fmt or WEIGHT_FORMATS["bf16"]
     return WeightsAnswer(chosen.name, chosen.bits_per_weight, chosen.assumption, weight_bytes(counts, chosen))

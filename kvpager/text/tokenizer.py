@@ -107,6 +107,10 @@ class Tokenizer:
         """Text of `ids` (special tokens dropped unless skip_special_tokens is False)."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def backend_json(self) -> str:
+        """The tokenizer.json text of the backend tokenizer (what grammar engines load)."""
+        return str(self._tok.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
         token_id = self._tok.token_to_id(token)

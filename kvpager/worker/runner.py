@@ -1,25 +1,30 @@
 """ModelRunner: a scheduled batch becomes tensors, the model runs, the sampler picks tokens.
 
-The runner owns the model, the KV cache tensor and the per-request sampling state (seeded
-generators, token history for penalties). It reads the scheduler's frozen output and returns
-sampled token ids; it never touches scheduler or request objects.
+The runner owns the model, the KV cache tensor and its own state per request (tokens, block table,
+seeded generator), kept up to date from the scheduler's frozen `SchedulerOutput` alone: new requests
+arrive once with their prompt, parameters and block table; each step brings only diffs (new block
+ids, preempted and finished ids). It returns sampled token ids and never touches scheduler or
+request objects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvpager.core.hashing import RequestId
 from kvpager.core.outputs import PositionLogprobs
 from kvpager.core.sampling_params import SamplingParams
-from kvpager.core.scheduler import SchedulerOutput
+from kvpager.core.scheduler import NewRequestData, SchedulerOutput
 from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_attention_metadata
 from kvpager.model.llama import CausalLM
 from kvpager.model.precision import fp32_matmul_precision
 from kvpager.model.spec import ModelSpec
+from kvpager.worker.prompt_logprobs import store_prompt_logprobs
 from kvpager.worker.sampler import Sampler, SamplingRow
+from kvpager.worker.structured import GrammarCompiler, advance, batch_bitmask
 
 
 @dataclass(slots=True)
@@ -35,6 +40,18 @@ class _RowState:
     output_token_ids: list[int]
     generator: torch.Generator | None
     stop_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    matcher: Any = None  # llguidance LLMatcher of a structured-output request
+    prompt_logprobs: dict[int, PositionLogprobs] | None = None  # prompt position -> its logprobs
+    prompt_logprobs_taken: bool = False
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
 class ModelRunner:
@@ -52,6 +69,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         fp32_matmul_precision: str = "highest",
         seed: int | None = 0,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -63,18 +81,50 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, device)
         # unseeded requests draw from one generator seeded by the engine's --seed (vLLM's meaning)
         self.sampler = Sampler(seed)
+        self.grammar = grammar
         self._rows: dict[str, _RowState] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state the runner holds (sent and not finished yet)."""
+        return len(self._rows)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        """Apply a step's diffs, in the order `SchedulerOutput` documents."""
+        for request_id in out.finished_ids:
+            self._rows.pop(request_id, None)
+        for request_id in out.preempted_ids:
+            self._rows[request_id].block_ids.clear()  # NOTE: tokens and generator state are kept
+        for new in out.new_requests:
+            self._add_row(new)
+        for s in out.scheduled:
+            if s.new_block_ids:
+                self._rows[s.request_id].block_ids.extend(s.new_block_ids)
+
+    def _add_row(self, new: NewRequestData) -> None:
+        params: SamplingParams = new.sampling_params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         stop_ids = tuple(params.stop_token_ids or ())
-        self._rows[request_id] = _RowState(params, list(prompt_token_ids), [], generator, stop_ids)
+        row = _RowState(params, list(new.prompt_token_ids), [], generator, stop_ids, list(new.block_ids))
+        if params.structured is not None:
+            # NOTE: the engine compiled (and so validated) the grammar before admitting the request
+            assert self.grammar is not None, "structured output needs a grammar compiler (llguidance)"
+            row.matcher = self.grammar.matcher(params.structured)
+        if params.prompt_logprobs is not None:
+            row.prompt_logprobs = {}
+        self._rows[new.request_id] = row
 
-    def remove_request(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
+    def take_prompt_logprobs(self, request_id: str) -> list[PositionLogprobs | None] | None:
+        """The prompt logprobs of a request whose prefill is complete, once (None first: no context)."""
+        row = self._rows.get(request_id)
+        if row is None or row.prompt_logprobs is None or row.prompt_logprobs_taken:
+            return None
+        row.prompt_logprobs_taken = True
+        got = row.prompt_logprobs
+        return [None] + [got.get(p) for p in range(1, len(row.prompt_token_ids))]
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """Block `block_id`'s K/V: a view [num_layers, 2, block_size, num_kv_heads, head_dim].
@@ -89,6 +139,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
+        """Apply the step's diffs to the runner's state, then run its batch (if any) and sample."""
+        self._update_states(out)
         if not out.scheduled:
             return {}
         with fp32_matmul_precision(self.fp32_matmul_precision):
@@ -98,12 +150,13 @@ class ModelRunner:
         scheduled = out.scheduled
         input_ids, positions, md = self._prepare_inputs(out)
         hidden = self.model(input_ids, positions, self.kv_cache, md)
+        store_prompt_logprobs(out.scheduled, self._rows, hidden, self.model.compute_logits)
         # NOTE: logits only for sequences whose step reaches their last known token.
         ends: list[int] = []
         sample_ids: list[RequestId] = []
         offset = 0
         for s in scheduled:
-            offset += len(s.token_ids)
+            offset += s.num_tokens
             if s.needs_sample:
                 ends.append(offset - 1)
                 sample_ids.append(s.request_id)
@@ -120,12 +173,12 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         for s in out.scheduled:
-            n = len(s.token_ids)
-            token_ids.extend(s.token_ids)
-            positions.extend(range(s.start_position, s.start_position + n))
+            row, n, start = self._rows[s.request_id], s.num_tokens, s.start_position
+            token_ids.extend(row.token_ids_between(start, start + n))
+            positions.extend(range(start, start + n))
             query_lens.append(n)
-            seq_lens.append(s.start_position + n)
-            block_tables.append(list(s.block_ids))
+            seq_lens.append(start + n)
+            block_tables.append(row.block_ids)
         md = build_attention_metadata(
             query_lens, seq_lens, block_tables, self.block_size, self.device, sliding_window=self.spec.sliding_window
         )
@@ -135,12 +188,16 @@ class ModelRunner:
 
     def _sample(self, request_ids: list[RequestId], logits: torch.Tensor) -> dict[RequestId, SampledToken]:
         rows = [self._sampling_row(rid) for rid in request_ids]
-        result = self.sampler.sample(logits, rows)
+        bitmask, guided = batch_bitmask([self._rows[rid].matcher for rid in request_ids], logits.shape[1])
+        result = self.sampler.sample(logits, rows, bitmask, guided)
         token_ids = result.token_ids.tolist()
         sampled: dict[RequestId, SampledToken] = {}
         for i, rid in enumerate(request_ids):
             lp = result.logprobs[i] if result.logprobs is not None else None
-            self._rows[rid].output_token_ids.append(token_ids[i])
+            row = self._rows[rid]
+            row.output_token_ids.append(token_ids[i])
+            if row.matcher is not None:
+                advance(row.matcher, token_ids[i])
             sampled[rid] = SampledToken(token_ids[i], lp)
         return sampled
 

@@ -1,7 +1,7 @@
 """Batched sampler: penalties, temperature, min-p, top-k, top-p, seeds and logprobs over a [B, V] batch.
 
 Pipeline (vLLM v1 order): raw logprobs (log_softmax of the model logits) → min_tokens masking →
-repetition / frequency / presence penalties → greedy rows take the argmax → temperature → min-p →
+logit_bias → grammar bitmask (structured output) → repetition / frequency / presence penalties → greedy rows take the argmax → temperature → min-p →
 top-k/top-p → exponential race. Every step is a tensor op over the whole batch; Python loops only
 build small per-row parameter tensors and draw each seeded row's noise.
 
@@ -19,6 +19,7 @@ import torch
 
 from kvpager.core.outputs import PositionLogprobs
 from kvpager.core.sampling_params import SamplingParams
+from kvpager.worker.logits_processing import apply_logit_bias, apply_token_bitmask
 
 # Top-p looks for the nucleus among this many most likely tokens first (see _top_p_drop_mask).
 TOP_P_CANDIDATES = 256
@@ -75,13 +76,27 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """Pick one token per row. `logits: [B, V]` float32 (not modified)."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: Sequence[int] = (),
+    ) -> SampleResult:
+        """Pick one token per row. `logits: [B, V]` float32 (not modified).
+
+        `bitmask` ([len(bitmask_rows), ceil(V/32)] int32), when given, holds the tokens a grammar
+        allows for each row in `bitmask_rows`; every other token of those rows is forbidden.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), vocab] = [{len(rows)}, V], got {list(logits.shape)}")
         logits = logits.float()
         gathered = _gather_logprobs(logits, rows) if any(r.params.logprobs is not None for r in rows) else None
         logits = _mask_min_tokens(logits, rows)
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits, [r.params for r in rows])
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask, bitmask_rows)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
         greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)

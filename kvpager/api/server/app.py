@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +23,7 @@ from kvpager.api.server.chat import create_chat_completion
 from kvpager.api.server.completions import create_completion
 from kvpager.api.server.disagg import ROLES, PrefillClient, PrefillSettings
 from kvpager.api.server.errors import ApiError, ApiKeyMiddleware, BodyLimit, BodyLimitMiddleware, CookieAuth
+from kvpager.api.server.fields import FieldReporter
 from kvpager.api.server.kv_routes import DEFAULT_MAX_KV_IMPORT_BYTES, IMPORT_PATH, add_kv_routes
 from kvpager.api.server.kv_view import (
     COOKIE_NAME,
@@ -43,6 +46,7 @@ from kvpager.api.server.protocol import (
     error_body,
 )
 from kvpager.api.server.serving import Serving
+from kvpager.api.server.tools import TOOL_PARSERS
 from kvpager.engine.async_engine import AsyncEngine, EngineDeadError
 
 logger = logging.getLogger("kvpager.api.server")
@@ -64,8 +68,13 @@ class ServerSettings:
     max_kv_import_bytes: int = DEFAULT_MAX_KV_IMPORT_BYTES  # body bound of /v1/kv/import
     role: str = "both"  # both | prefill | decode (decode fetches prompt KV from `prefill`)
     prefill: PrefillSettings | None = None
+    tool_call_parser: str | None = None  # parses the model's own tool calls for tool_choice "auto"
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}; got {self.tool_call_parser!r}"
+            )
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.max_kv_import_bytes < 1:
@@ -127,24 +136,47 @@ def _add_routes(app: FastAPI, serving: Serving, engine: AsyncEngine, settings: S
 
         return JSONResponse({"version": __version__})
 
+    started = int(time.time())  # `created` of every model card: when this server started
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=started, root=engine.model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [
-            ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
-            for name in serving.served_names
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=[card(name) for name in serving.served_names]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id not in serving.served_names:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", code="model_not_found", param="model")
+        return JSONResponse(card(model_id).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        """vLLM's tokenizer description, which lm-eval's remote tokenizer backend reads."""
+        return JSONResponse(tokenizer_description(serving.tokenizer, settings.chat_template, engine.max_model_len))
+
+    fields = FieldReporter()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await create_completion(serving, req, request)
+        headers = fields.check(req)
+        response = await create_completion(serving, req, request)
+        response.headers.update(headers)
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(serving, req, request, settings.chat_template)
+        headers = fields.check(req)
+        response = await create_chat_completion(
+            serving, req, request, settings.chat_template, settings.tool_call_parser
+        )
+        response.headers.update(headers)
+        return response
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        fields.check(req)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send exactly one of `prompt` or `messages`", param="prompt")
@@ -178,6 +210,20 @@ async def _refresh_kv_stats(serving: Serving, engine: AsyncEngine) -> None:
     except (EngineDeadError, TimeoutError):
         return
     serving.metrics.kv_tiers = stats
+
+
+def tokenizer_description(tokenizer: Any, chat_template: str | None, max_model_len: int) -> dict[str, Any]:
+    specials = tokenizer.specials
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": specials.bos_token,
+        "eos_token": specials.eos_token,
+        "pad_token": specials.pad_token,
+        "unk_token": specials.unk_token,
+        "vocab_size": int(tokenizer.vocab_size),
+        "model_max_length": max_model_len,
+        "chat_template": chat_template if chat_template is not None else tokenizer.chat_template,
+    }
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -2,7 +2,8 @@
 
 Gauges and counters are read from the engine's stats snapshot at scrape time (a custom collector),
 so they can never drift from the engine's own counts. Latency histograms are observed by the
-server when a request finishes. Names follow vLLM's with the `kvpager:` prefix.
+server when a request finishes. Every family exists twice: `kvpager:*` and, for dashboards and
+autoscalers written for vLLM, under vLLM's own name (`vllm:*`, labels `model_name` and `engine`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -39,6 +40,21 @@ _COUNTERS = (
 )
 
 
+# kvpager name -> vLLM's name (same meaning and unit), for the families vLLM has.
+VLLM_NAMES = {
+    "kvpager:num_requests_running": "vllm:num_requests_running",
+    "kvpager:num_requests_waiting": "vllm:num_requests_waiting",
+    "kvpager:kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "kvpager:prefix_cache_queries": "vllm:prefix_cache_queries",
+    "kvpager:prefix_cache_hits": "vllm:prefix_cache_hits",
+    "kvpager:num_preemptions": "vllm:num_preemptions",
+    "kvpager:prompt_tokens": "vllm:prompt_tokens",
+    "kvpager:generation_tokens": "vllm:generation_tokens",
+}
+VLLM_LABELS = ["model_name", "engine"]
+ENGINE_INDEX = "0"  # vLLM's `engine` label: kvpager runs one engine per server
+
+
 class _EngineStatsCollector(Collector):
     def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
         self._get_stats = get_stats
@@ -47,13 +63,22 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._get_stats()
         for name, help_text, field in _GAUGES:
-            gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            gauge.add_metric([self._model_name], float(getattr(stats, field)))
-            yield gauge
+            for family in self._families(GaugeMetricFamily, name, help_text):
+                family.add_metric(self._labels(family), float(getattr(stats, field)))
+                yield family
         for name, help_text, field in _COUNTERS:
-            counter = CounterMetricFamily(name, help_text, labels=["model_name"])
-            counter.add_metric([self._model_name], float(getattr(stats, field)))
-            yield counter
+            for family in self._families(CounterMetricFamily, name, help_text):
+                family.add_metric(self._labels(family), float(getattr(stats, field)))
+                yield family
+
+    def _families(self, kind: Any, name: str, help_text: str) -> list[Any]:
+        families = [kind(name, help_text, labels=["model_name"])]
+        if name in VLLM_NAMES:
+            families.append(kind(VLLM_NAMES[name], help_text, labels=VLLM_LABELS))
+        return families
+
+    def _labels(self, family: Metric) -> list[str]:
+        return [self._model_name, ENGINE_INDEX] if family.name.startswith("vllm:") else [self._model_name]
 
 
 # KV tier values (flat names of `KVTierStats.as_dict()`) that go up and down; the rest only grow.
@@ -144,6 +169,35 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
+        vllm = [model_name, ENGINE_INDEX]
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            VLLM_LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(*vllm)
+        self.vllm_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            VLLM_LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(*vllm)
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency (arrival to finish).",
+            VLLM_LABELS,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(*vllm)
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        self._vllm_labels = vllm
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record the latencies of a request that finished (aborted requests are skipped)."""
@@ -153,12 +207,18 @@ class ServerMetrics:
         ttft = metrics.ttft
         if ttft is not None:
             self.ttft.observe(ttft)
+            self.vllm_ttft.observe(ttft)
         num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
         tpot = metrics.tpot(num_tokens)
         if tpot is not None:
             self.tpot.observe(tpot)
+        for gap in metrics.inter_token_latencies:
+            self.vllm_itl.observe(gap)
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+            self.vllm_e2e.observe(metrics.finished_time - metrics.arrival_time)
+        for o in out.outputs:
+            self.vllm_success.labels(*self._vllm_labels, o.finish_reason or "stop").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

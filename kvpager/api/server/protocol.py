@@ -1,7 +1,8 @@
 """Request and response schemas of the OpenAI HTTP API, plus vLLM's extra sampling fields.
 
-Requests are pydantic models (unknown fields are ignored, as OpenAI does); validation errors
-become HTTP 400 in OpenAI's error shape (see `app.py`). Responses are pydantic models dumped
+Requests are pydantic models that keep unknown fields (`extra="allow"`) so that `fields.py` can
+report them (a response header and one log line per field name) or refuse the ones that would
+change the result; validation errors become HTTP 400 in OpenAI's error shape (see `app.py`). Responses are pydantic models dumped
 with every field present, as OpenAI's clients expect `null` rather than a missing key.
 """
 
@@ -16,7 +17,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -46,14 +47,45 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    # vLLM's structured-output extras (the older guided_* spelling and the current one)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt (with echo) without generating
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM extra
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class ContentPart(_Request):
@@ -61,10 +93,23 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message content as plain text (text parts joined; other part types rejected)."""
@@ -78,6 +123,27 @@ class ChatMessage(_Request):
         return "".join(parts)
 
 
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -85,6 +151,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # NOTE: no per-request `chat_template`: the tokenizer reads a template argument without braces
     # as a file path, which would let a client read server files. Use `kvpager serve --chat-template`.
 
@@ -145,10 +215,17 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's shape
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -176,9 +253,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -198,9 +287,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -251,3 +353,7 @@ class KVImportResponse(BaseModel):
 def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> dict[str, Any]:
     """The JSON body of an OpenAI-shaped error."""
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+for _model in (_SamplingFields, CompletionRequest, ChatCompletionRequest, ChatMessage):
+    _model.model_rebuild()

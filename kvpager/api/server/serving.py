@@ -28,7 +28,7 @@ from kvpager.api.server.protocol import (
     _SamplingFields,
 )
 from kvpager.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvpager.core.sampling_params import SamplingParams
+from kvpager.core.sampling_params import SamplingParams, StructuredOutputSpec
 from kvpager.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 
 RETRY_AFTER_S = 1
@@ -49,16 +49,19 @@ class Finals:
     outputs: dict[tuple[int, int], CompletionOutput] = field(default_factory=dict)
     prompt_lens: dict[int, int] = field(default_factory=dict)
     cached: dict[int, int] = field(default_factory=dict)
+    prompt_lp: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
 
     def update(self, prompt_index: int, out: RequestOutput) -> None:
         self.prompt_lens[prompt_index] = len(out.prompt_token_ids)
         self.cached[prompt_index] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_lp[prompt_index] = out.prompt_logprobs
         for o in out.outputs:
             self.outputs[(prompt_index, o.index)] = o
 
-    def usage(self) -> Usage:
+    def usage(self, count_completion: bool = True) -> Usage:
         prompt = sum(self.prompt_lens.values())
-        completion = sum(len(o.token_ids) for o in self.outputs.values())
+        completion = sum(len(o.token_ids) for o in self.outputs.values()) if count_completion else 0
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -117,12 +120,25 @@ class Serving:
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, template: str | None) -> str:
         try:
             dicts = [{"role": m.role, "content": m.text()} for m in messages]
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        return self.render_dicts(dicts, add_generation_prompt, template)
+
+    def render_dicts(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template: str | None,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
+        """Render message dicts; `variables` (tools, chat_template_kwargs) reach the template too."""
+        try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    dicts, add_generation_prompt=add_generation_prompt, chat_template=template
+                    messages, add_generation_prompt=add_generation_prompt, chat_template=template, **(variables or {})
                 )
             )
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise ApiError(
                 400,
                 f"Cannot build the chat prompt: {exc}. Models without a chat template need "
@@ -164,7 +180,35 @@ class Serving:
             )
         return requested
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def logit_bias(self, req: _SamplingFields) -> dict[int, float] | None:
+        """OpenAI's `logit_bias` (token id strings -> bias) as ids; 400 on ids outside the vocabulary."""
+        if not req.logit_bias:
+            return None
+        vocab_size = int(self.engine.engine.model_spec.vocab_size)
+        bias: dict[int, float] = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= token_id < vocab_size:
+                raise ApiError(
+                    400,
+                    f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                    param="logit_bias",
+                )
+            bias[token_id] = value
+        return bias
+
+    def sampling_params(
+        self,
+        req: _SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        *,
+        prompt_logprobs: int | None = None,
+        structured: StructuredOutputSpec | None = None,
+    ) -> SamplingParams:
         """The engine's SamplingParams for a request (400 when the combination is invalid)."""
         try:
             return SamplingParams(
@@ -185,9 +229,22 @@ class Serving:
                 logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                logit_bias=self.logit_bias(req),
+                prompt_logprobs=prompt_logprobs,
+                structured=structured,
             )
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
+        """Compile (or find cached) the request's grammar on the compiler thread; 400 when it is invalid.
+
+        NOTE: awaited before the request is added, so the engine step never waits on a compilation.
+        """
+        try:
+            await asyncio.wrap_future(self.engine.engine.grammar.compile(spec))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="response_format", code="invalid_grammar") from exc
 
     # -- engine ---------------------------------------------------------------------------------
     async def start(self, base_id: str, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestStream]:
