@@ -174,3 +174,38 @@ def test_allocator_check_catches_overlap_and_miscount():
 def test_bench_cli_rejects_unknown_bench(capsys):
     assert bench_main(["nope"]) == 2
     assert "unknown bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--dtype", "bfloat16"], ("bfloat16", None, "bfloat16")),
+        (["--quantization", "int4", "--quantization-group-size", "32"], ("float32", "int4", "float32")),
+        (["--quantization", "int8", "--dtype", "bfloat16"], ("bfloat16", "int8", "bfloat16")),
+    ],
+)
+def test_throughput_bench_runs_the_weight_format_it_is_given(capsys, tiny_model, flags, expected):
+    r = run_bench(
+        capsys, tiny_model, "throughput", "--num-requests", "2", "--input-len", "16", "--output-len", "3",
+        "--sequential-requests", "1", *flags,
+    )  # fmt: skip
+    w = r["workload"]
+    assert (w["dtype"], w["quantization"], w["kv_cache_dtype"]) == expected
+    assert r["batched"]["output_tokens"] == 2 * 3 and w["weight_bytes"] > 0
+
+
+def test_dummy_shapes_include_the_real_model_shapes(tmp_path: Path) -> None:
+    from kvpager.bench.dummy_models import SHAPES
+    from kvpager.model.spec import load_model_spec
+    from kvpager.planner.models import load_model_facts
+    from kvpager.planner.params import count_parameters
+
+    for shape, name in [
+        ("llama-3.2-1b", "Llama-3.2-1B"),
+        ("qwen2.5-7b", "Qwen2.5-7B"),
+        ("llama-3.1-8b", "Llama-3.1-8B"),
+    ]:
+        spec = load_model_spec(make_dummy_model_dir(tmp_path / shape, shape))
+        assert spec.torch_dtype == "bfloat16"
+        assert spec.num_parameters() == count_parameters(load_model_facts(name)).total, shape
+    assert {"llama-3.2-3b", "qwen2.5-0.5b", "qwen2.5-1.5b"} <= set(SHAPES)

@@ -67,6 +67,12 @@ def add_common_args(parser: argparse.ArgumentParser, *, with_model: bool = True)
             choices=LOAD_FORMATS,
             help="default: dummy for the built-in shape, auto for --model",
         )
+        parser.add_argument(
+            "--dummy-shape",
+            default="smollm2-135m",
+            help="the built-in shape without --model: smollm2-135m (default), llama-3.2-1b, llama-3.2-3b, "
+            "llama-3.1-8b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b (random weights, published configs)",
+        )
 
 
 def choose_model(args: argparse.Namespace, workdir: str | None = None) -> ModelChoice:
@@ -76,8 +82,9 @@ def choose_model(args: argparse.Namespace, workdir: str | None = None) -> ModelC
     from kvpager.bench.dummy_models import make_dummy_model_dir
 
     root = workdir or tempfile.mkdtemp(prefix="kvpager-bench-")
-    path = make_dummy_model_dir(Path(root) / "smollm2-135m-dummy")
-    return ModelChoice(str(path), args.load_format or "dummy", True)
+    shape = getattr(args, "dummy_shape", "smollm2-135m")
+    path = make_dummy_model_dir(Path(root) / f"{shape}-dummy", shape)
+    return ModelChoice(str(path), args.load_format or "dummy", shape == "smollm2-135m")
 
 
 def set_threads(num_threads: int) -> None:

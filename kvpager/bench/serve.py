@@ -54,6 +54,8 @@ class BenchResult:
     tpot_mean_ms: float
     tpot_p50_ms: float
     tpot_p99_ms: float
+    dtype: str | None = None  # the server's weight format as passed (--dtype / --quantization), for the record
+    quantization: str | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -162,6 +164,8 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         tpot_mean_ms=statistics.fmean(tpots) if tpots else float("nan"),
         tpot_p50_ms=percentile(tpots, 50),
         tpot_p99_ms=percentile(tpots, 99),
+        dtype=getattr(args, "dtype", None),
+        quantization=getattr(args, "quantization", None),
     )
 
 
@@ -198,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "asyncio", "uvloop"],
         default="auto",
         help="the client's event loop (auto: uvloop if installed)",
+    )
+    p.add_argument("--dtype", default=None, help="the server's --dtype, recorded in the result (start it with it)")
+    p.add_argument(
+        "--quantization", default=None, help="the server's --quantization, recorded in the result (start it with it)"
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpager.bench import report
-from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
 from kvpager.core.kv_cache_manager import cdiv
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler
-from kvpager.engine.args import KV_CACHE_DTYPE_CHOICES, bytes_arg
+from kvpager.engine.args import KV_CACHE_DTYPE_CHOICES, add_weight_format_args, bytes_arg
 from kvpager.model.spec import load_model_spec
 
 ISSUE_TARGETS = {"speedup_issue2": 4.0, "speedup_issue6": 8.0, "kv_utilisation": 0.95}
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool budget, e.g. 2GiB (default: room for every request)",
     )
     report.add_precision_arg(p)
+    add_weight_format_args(p)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -124,8 +125,11 @@ def run_batched(
 
 def default_kv_budget(model_dir: str, args: argparse.Namespace) -> int:
     """Bytes for every request's whole sequence at once (so the batched phase never preempts)."""
-    kv_dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype  # the dummy/bench models are float32
-    shape = load_model_spec(model_dir).kv_shape(DTYPE_BYTES[kv_dtype])
+    spec = load_model_spec(model_dir)
+    kv_dtype = (
+        resolve_dtype(args.dtype, spec.torch_dtype, "cpu") if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    )
+    shape = spec.kv_shape(DTYPE_BYTES[kv_dtype])
     blocks = args.num_requests * cdiv(args.input_len + args.output_len, args.block_size)
     return blocks * shape.bytes_per_block(args.block_size)
 
@@ -153,6 +157,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         seed=args.seed,
         fp32_matmul_precision=args.fp32_matmul_precision,
         kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     engine = Engine(config)
     vocab = engine.model_spec.vocab_size
@@ -193,6 +200,10 @@ def build_result(
             "num_blocks": engine.pool.num_blocks,
             "fp32_matmul_precision": args.fp32_matmul_precision,
             "kv_cache_dtype": str(engine.runner.kv_cache.dtype).removeprefix("torch."),
+            "dtype": engine.config.dtype,
+            "quantization": engine.config.quantization,
+            "quantization_group_size": engine.config.resolved_quantization_group_size,
+            "weight_bytes": engine.loaded.weight_bytes,
         },
         "sequential": {**asdict(seq), "output_tokens_per_s": seq.output_tokens_per_s},
         "batched": {**asdict(batched), "output_tokens_per_s": batched.output_tokens_per_s, "max_running": max_running},
@@ -228,7 +239,8 @@ def render(result: dict[str, Any]) -> str:
         [
             f"workload: prompt {w['input_len']}, output {w['output_len']} (ignore_eos), {w['num_requests']} requests "
             f"batched; one-at-a-time rate from {w['sequential_requests']} requests run alone (same shape, same rate); "
-            f"matmul precision {w.get('fp32_matmul_precision', 'highest')}, KV cache {w.get('kv_cache_dtype', 'float32')}",
+            f"matmul precision {w.get('fp32_matmul_precision', 'highest')}, KV cache {w.get('kv_cache_dtype', 'float32')}, "
+            f"weights {w.get('dtype', 'float32')} / quantization {w.get('quantization') or 'none'}",
             table,
             f"speedup: {result['speedup']:.2f}x (targets: >= 4x issue 2, >= 8x issue 6)",
             f"KV pool utilisation (tokens stored / slots in owned blocks, mean over {util['num_steps']} steps): "

@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kvpager.core.config import resolve_dtype
 from kvpager.core.units import format_bytes, parse_bytes, parse_reserve
 from kvpager.gguf import is_gguf_path
 from kvpager.planner.devices import Device, custom_device, custom_reserve, find_device, measure_cpu
@@ -55,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         help=f"weight format: {', '.join(WEIGHT_FORMATS)} (comma list with --table); default: checkpoint bytes or bf16",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="kvpager's compute dtype: exact engine weight bytes (auto: the checkpoint's torch_dtype, as serve)",
+    )
+    p.add_argument(
+        "--quantization", choices=["int8", "int4"], help="kvpager's weight-only quantization: exact engine weight bytes"
+    )
+    p.add_argument("--quantization-group-size", type=int, help="as `kvpager serve` (int4 default 128)")
     p.add_argument(
         "--kv-dtype", default="bf16", help="KV cache element type: fp32, fp16, bf16, fp8, int8 (default bf16)"
     )
@@ -153,7 +163,24 @@ def _options(args: argparse.Namespace, device: Device | None) -> PlanOptions:
         kv_cache_memory=parse_bytes(args.kv_cache_memory, what="--kv-cache-memory") if args.kv_cache_memory else None,
         max_model_len=args.max_model_len,
         reserve=reserve,
+        dtype=_engine_dtype(args),
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
+
+
+def _engine_dtype(args: argparse.Namespace) -> str | None:
+    """--dtype as the engine resolves it ("auto": the checkpoint's torch_dtype on CPU); None when unset."""
+    if args.dtype is None:
+        return "bfloat16" if args.quantization else None
+    if args.dtype != "auto":
+        return str(args.dtype)
+    config = Path(args.model) / "config.json" if args.model else None
+    torch_dtype = "bfloat16"
+    if config is not None and config.is_file():
+        data = json.loads(config.read_text(encoding="utf-8"))
+        torch_dtype = str(data.get("torch_dtype") or data.get("dtype") or "float32")
+    return resolve_dtype("auto", torch_dtype, "cpu")
 
 
 def _run_tables(args: argparse.Namespace, options: PlanOptions, device: Device | None) -> int:

@@ -22,6 +22,12 @@ DTYPE_BYTES: dict[str, int] = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
+COMPUTE_DTYPES = DTYPES
+# Weight-only quantization (vLLM's --quantization): int8 symmetric per output channel (or per group),
+# int4 asymmetric per group; see kvpager.model.backends.quant_weights.
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_MULTIPLE = 16
+DEFAULT_INT4_GROUP_SIZE = 128
 KERNEL_BACKENDS = ("auto", "torch", "cpu")
 FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
 # NOTE: must equal kvpager.kvstore.codec.available_codecs() (kept here so config stays torch-free; a test pins it).
@@ -48,7 +54,9 @@ class EngineConfig:
     model: str | None = None  # None: the bundled demo model
     tokenizer: str | None = None  # None: same directory as the model
     load_format: str = "auto"
-    dtype: str = "float32"  # compute dtype
+    dtype: str = "auto"  # compute dtype; "auto": the checkpoint's torch_dtype (resolve_dtype)
+    quantization: str | None = None  # weight-only: None | "int8" | "int4" (quantized at load, round-to-nearest)
+    quantization_group_size: int | None = None  # None: int8 per output channel, int4 groups of 128
     kv_cache_dtype: str = "auto"  # "auto": same as dtype
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
@@ -77,8 +85,22 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _check(
-            self.dtype in DTYPES,
-            f"dtype must be one of {DTYPES}, got {self.dtype!r}",
+            self.dtype == "auto" or self.dtype in COMPUTE_DTYPES,
+            f"dtype must be 'auto', float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        _check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {self.quantization!r}",
+        )
+        group = self.quantization_group_size
+        _check(group is None or group >= 1, f"quantization_group_size must be >= 1, got {group}")
+        _check(
+            group is None or self.quantization is not None,
+            "quantization_group_size is set but quantization is not; set --quantization too",
+        )
+        _check(
+            group is None or self.quantization != "int4" or group % INT4_GROUP_MULTIPLE == 0,
+            f"int4 quantization_group_size must be a multiple of {INT4_GROUP_MULTIPLE} (e.g. 32, 64, 128), got {group}",
         )
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -148,7 +170,18 @@ class EngineConfig:
 
     @property
     def resolved_kv_cache_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        """The KV cache dtype; with dtype "auto" too, only after the engine resolved dtype (resolve_dtype)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        _check(self.dtype != "auto", "dtype 'auto' is resolved when the model loads; call resolve_dtype first")
+        return self.dtype
+
+    @property
+    def resolved_quantization_group_size(self) -> int | None:
+        """The group size the quantized weights use (None: int8 per output channel)."""
+        if self.quantization == "int4":
+            return self.quantization_group_size or DEFAULT_INT4_GROUP_SIZE
+        return self.quantization_group_size
 
     @property
     def resolved_kv_cache_dir_max_bytes(self) -> int:
@@ -169,6 +202,25 @@ def _check_remote(url: str | None, timeout_s: float) -> None:
         parsed.scheme in ("redis", "rediss") and bool(parsed.hostname) and port_ok,
         f"--kv-cache-remote must look like redis://HOST:PORT (rediss:// for TLS), got {url!r}",
     )
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device_type: str) -> str:
+    """The compute dtype for `requested` ("auto" or a dtype) given the checkpoint's torch_dtype.
+
+    "auto" follows vLLM on CPU: a bfloat16 checkpoint runs in bfloat16 (every x86-64 CPU has a
+    bfloat16 path; the start-up log says whether it is native), a float16 checkpoint is cast to
+    bfloat16 on the CPU (float16 on CUDA). Unlike vLLM a float32 checkpoint stays float32 (vLLM
+    downcasts it to 16 bits): kvpager's fused kernels are float32 and its references are exact there.
+    """
+    if requested != "auto":
+        return requested
+    name = checkpoint_dtype.strip().lower().removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name
+    )
+    if name == "float16" and device_type == "cpu":
+        return "bfloat16"
+    return name if name in COMPUTE_DTYPES else "float32"
 
 
 def _check(ok: bool, message: str) -> None:

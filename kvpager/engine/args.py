@@ -12,6 +12,7 @@ from kvpager.core.config import (
     KV_CACHE_DTYPES,
     KV_CODECS,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     EngineConfig,
 )
 from kvpager.core.limits import (
@@ -55,7 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
         "--tokenizer", default=None, help="tokenizer directory (default: the model's; a GGUF model's is its metadata)"
     )
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
+    add_weight_format_args(g)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
@@ -105,6 +106,33 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def add_weight_format_args(g: argparse._ActionsContainer) -> None:
+    """--dtype, --quantization, --quantization-group-size (vLLM's names; bench commands share them)."""
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="compute dtype; auto (default): the checkpoint's torch_dtype (float16 runs as bfloat16 on CPU)",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only quantization at load (round-to-nearest): int8 per output channel, int4 in groups "
+        "(asymmetric); embedding, lm_head and norms stay in --dtype",
+    )
+    g.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=None,
+        help="input features per scale: int4 default 128 (a multiple of 16); int8 default: per output channel",
+    )
+
+
 def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
     """KV tiers and packs: host RAM tier, persistent disk tier, tier codec, packs pinned at start."""
     g = parser.add_argument_group("KV tiers and packs")
@@ -142,6 +170,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,

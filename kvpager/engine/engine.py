@@ -59,9 +59,9 @@ class Engine:
     """Paged-KV continuous-batching engine. See docs/internals.md for the contract."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
         self.loaded = loaded if loaded is not None else load(config)
         lm = self.loaded
+        self.config = lm.config if lm.config is not None else config  # NOTE: dtype resolved ("auto")
         self.tokenizer = lm.tokenizer
         self.model_spec = lm.spec
         self.pool = lm.pool

@@ -7,19 +7,21 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kvpager.core.config import DTYPE_BYTES, EngineConfig
+from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
 from kvpager.core.hashing import HASH_SCHEME
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
+from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
-from kvpager.model.loader import DUMMY_STD, load_model
+from kvpager.model.loader import DUMMY_STD, load_model, model_weight_bytes, quantized_weights_digest
 from kvpager.model.spec import ModelSpec, load_model_spec, spec_from_gguf
 from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
 from kvpager.text.tokenizer import Tokenizer
@@ -63,6 +65,7 @@ class LoadedModel:
     max_model_len: int
     pool: PoolSize
     weights_digest: str = ""  # what the fingerprint names the weights by ("dummy-<seed and shapes>" for dummy)
+    config: EngineConfig | None = None  # the configuration with dtype resolved ("auto" -> the checkpoint's)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,6 +87,7 @@ def load(config: EngineConfig) -> LoadedModel:
     tokenizer = load_tokenizer(config.tokenizer, model_dir, gguf_model)
     max_model_len = resolve_max_model_len(config, spec)
     device = resolve_device(config.device)
+    config = replace(config, dtype=resolve_dtype(config.dtype, spec.torch_dtype, device.type))
     dtype = TORCH_DTYPES[config.dtype]
     kv_dtype = TORCH_DTYPES[config.resolved_kv_cache_dtype]
     model = load_model(
@@ -94,9 +98,12 @@ def load(config: EngineConfig) -> LoadedModel:
         kernel_backend=config.kernel_backend,
         kv_dtype=kv_dtype,
         gguf_model=gguf_model,
+        quantization=config.quantization,
+        quantization_group_size=config.resolved_quantization_group_size,
     )
     model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log_weight_format(config, spec, device)
+    weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
     pool = pool_size(spec.kv_shape(DTYPE_BYTES[config.resolved_kv_cache_dtype]), config.block_size, budget)
     if pool.num_blocks < 1:
@@ -110,16 +117,20 @@ def load(config: EngineConfig) -> LoadedModel:
         weights_digest = f"gguf:{gguf_model.digest()}"  # tensor data and hyper-parameters (kvpager.gguf)
     else:
         weights_digest = weights_file_digest(model_dir)
-    fingerprint = model_fingerprint(
-        base_fingerprint_components(
-            config,
-            spec,
-            model_dir,
-            weights_digest,
-            tokenizer.tokenizer_digest(),
-            config_in_weights=gguf_model is not None,
-        )
+    components = base_fingerprint_components(
+        config,
+        spec,
+        model_dir,
+        weights_digest,
+        tokenizer.tokenizer_digest(),
+        config_in_weights=gguf_model is not None,
     )
+    if config.quantization is not None:
+        # NOTE: KV computed with quantized weights is not the float model's: the fingerprint commits to
+        # the method, its group size and the quantized bytes themselves.
+        group = config.resolved_quantization_group_size or "channel"
+        components.append(("quantization", f"{config.quantization}-g{group}:{quantized_weights_digest(model)}"))
+    fingerprint = model_fingerprint(components)
     return LoadedModel(
         model_dir,
         spec,
@@ -133,6 +144,30 @@ def load(config: EngineConfig) -> LoadedModel:
         max_model_len,
         pool,
         weights_digest,
+        config,
+    )
+
+
+def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
+    """One start-up line: the dtype chosen and why, the quantization, and the linear layers' code path."""
+    if device.type != "cpu":
+        path = "torch on " + device.type + (" (packed weights dequantized per call)" if config.quantization else "")
+    elif config.quantization is not None or config.dtype == "bfloat16":
+        kernels = quant_kernels_or_none()
+        path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
+        path += f" up to its batch limit; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
+        path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
+    else:
+        path = f"{config.dtype} (CPU {torch.backends.cpu.get_cpu_capability()})"
+    quant = config.quantization or "none"
+    if config.quantization is not None:
+        quant += f", group {config.resolved_quantization_group_size or 'per output channel'}"
+    logger.info(
+        "weights: dtype %s (checkpoint %s), quantization %s; linear layers: %s",
+        config.dtype,
+        spec.torch_dtype,
+        quant,
+        path,
     )
 
 

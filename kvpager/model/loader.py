@@ -1,30 +1,59 @@
-"""Build a CausalLM from a Hugging Face checkpoint directory (safetensors), a GGUF model, or config alone (dummy).
+"""Build a CausalLM from a Hugging Face checkpoint directory (safetensors) or from config alone (dummy).
 
-The module tree is created on the meta device (no init cost), the checkpoint's tensors are fused
-(q/k/v, gate/up), cast to the compute dtype, shape-checked and assigned.
+The module tree is created on the meta device (no init cost). Loading is lean: the safetensors files
+are memory-mapped (safetensors_mmap.py) and each of the model's tensors is built on its own, straight
+from the mapped bytes into its final dtype and device (q/k/v and gate/up written into their fused
+tensor part by part), after which the source pages are released. A bfloat16 checkpoint is never held
+in float32, and peak RSS stays near the final weights plus one tensor. With `quantization` the four
+projections of every layer are quantized part by part as they are read (quant_weights.py); the
+embedding, lm_head, norms and biases stay in `dtype`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
-from kvpager.core.config import LOAD_FORMATS
+from kvpager.core.config import LOAD_FORMATS, QUANTIZATIONS
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
+from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
 from kvpager.model.gguf_weights import read_gguf_state
 from kvpager.model.llama import CausalLM
+from kvpager.model.safetensors_mmap import MappedSafetensors
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json, spec_from_gguf
 
 logger = logging.getLogger("kvpager")
 
+_T = TypeVar("_T")
 DUMMY_STD = 0.02
+COPY_CHUNK_BYTES = 4 << 20  # source bytes copied (then released) at a time
 # NOTE: tensors older checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_PROJECTIONS = (
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One checkpoint tensor (or a dummy one): its shape, how to get its values, how to let them go."""
+
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+    release: Callable[[tuple[int, int] | None], None] = lambda rows: None  # rows (first, end) or all
+    owned: bool = False  # read() is an in-memory tensor the model may keep as it is
 
 
 def load_model(
@@ -37,11 +66,15 @@ def load_model(
     kernel_backend: str = "auto",
     kv_dtype: torch.dtype | None = None,
     gguf_model: GGUFModel | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int | None = None,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
 
     kernel_backend: "auto" (C++ kernels for float32 on CPU when they build, else torch), "torch" or
     "cpu" (see kvpager.model.backends.ops.select_ops); kv_dtype: the KV cache's dtype (default: `dtype`).
+    quantization: None, "int8" (per output channel, or groups of `quantization_group_size`) or "int4"
+    (groups of `quantization_group_size`, default 128); see kvpager.model.backends.quant_weights.
 
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
@@ -50,6 +83,8 @@ def load_model(
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     device = torch.device(device)
     if gguf_model is None and (load_format == "gguf" or (load_format != "safetensors" and is_gguf_path(model_dir))):
         gguf_model = open_gguf(model_dir)
@@ -61,39 +96,140 @@ def load_model(
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     if spec.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    if load_format == "dummy":
-        state = dummy_state_dict(expected, seed, dtype, device)
-    elif gguf_model is not None:
-        tensors, report = read_gguf_state(gguf_model, spec, dtype)
-        for line in report.lines():
-            logger.info("GGUF weights %s", line)
-        state = _fuse(spec, tensors, dtype, device)
-    else:
-        state = _fuse(spec, _read_checkpoint(Path(model_dir), spec), dtype, device)
-    _check_state(state, expected, Path(model_dir))
+    files: list[MappedSafetensors] = []
+    try:
+        if load_format == "dummy":
+            sources = _dummy_sources(expected, seed)
+        elif gguf_model is not None:
+            tensors, report = read_gguf_state(gguf_model, spec, dtype)
+            for line in report.lines():
+                logger.info("GGUF weights %s", line)
+            sources = _fuse(spec, {n: _owned_source(tensors, n) for n in list(tensors)})
+        else:
+            files = [MappedSafetensors(p) for p in safetensors_files(Path(model_dir))]
+            sources = _fuse(spec, _checkpoint_sources(files, spec))
+        _check_state({n: _fused_shape(s) for n, s in sources.items()}, expected, Path(model_dir))
+        state: dict[str, torch.Tensor] = {}
+        packed: dict[str, PackedWeight] = {}
+        for name in expected:  # NOTE: in the model's order (dummy weights draw from one generator)
+            if quantization is not None and name.endswith(_PROJECTIONS):
+                packed[name] = cat_rows(
+                    [_quantized(s, quantization, quantization_group_size, device) for s in sources[name]]
+                )
+            else:
+                state[name] = _materialise(sources[name], expected[name], dtype, device)
+    finally:
+        for f in files:
+            f.close()
     model.load_state_dict(state, strict=False, assign=True)
+    for name, weight in packed.items():
+        set_linear_weight(model, name, weight)
     # NOTE: the model holds the tensors now; dropping the dict lets finish_loading's ops free each
     # weight as they replace it (kernel layouts), instead of holding two copies of every weight.
-    del state
+    del state, packed
     model.finish_loading(dtype, device, select_ops(kernel_backend, dtype, kv_dtype or dtype, device))
+    if dtype == torch.bfloat16 and device.type == "cpu" and quant_kernels_or_none() is not None:
+        _wrap_bf16_linears(model)
     return model
 
 
-def dummy_state_dict(
-    expected: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Deterministic random weights (drawn on CPU so every device gets the same values)."""
+def set_linear_weight(model: nn.Module, name: str, weight: PackedWeight) -> None:
+    """Replace the Linear weight `name` ("layers.0.mlp.down_proj.weight") by a packed weight object."""
+    module = model.get_submodule(name.removesuffix(".weight"))
+    if not isinstance(module, nn.Linear) or tuple(weight.shape) != (module.out_features, module.in_features):
+        raise ValueError(f"{name}: a packed weight of shape {tuple(weight.shape)} does not fit {module}")
+    if "weight" in module._parameters:
+        del module._parameters["weight"]
+    object.__setattr__(module, "weight", weight)
+
+
+def packed_weights(model: nn.Module) -> dict[str, PackedWeight]:
+    """The model's packed linear weights by parameter name, in module order."""
+    return {
+        f"{name}.weight": m.weight
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and isinstance(m.weight, PackedWeight)
+    }
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds (elements x element size: a kernel layout's padding is not
+    counted): parameters plus packed weights, a tensor shared by two modules (tied lm_head) once."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *(t for w in packed_weights(model).values() for t in w.tensors())]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def quantized_weights_digest(model: nn.Module) -> str:
+    """sha256 over the quantized weights (method, shape, stored bytes), "" when none are quantized."""
+    quantized = {n: w for n, w in packed_weights(model).items() if not isinstance(w, Bf16Weight)}
+    if not quantized:
+        return ""
+    h = hashlib.sha256()
+    for name, weight in quantized.items():
+        h.update(name.encode())
+        weight.update_digest(h)
+    return h.hexdigest()
+
+
+def _wrap_bf16_linears(model: CausalLM) -> None:
+    """bfloat16 linear weights (projections and lm_head) read by the packed-weight kernel at decode."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor):
+            if module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
+                set_linear_weight(model, f"{name}.weight", Bf16Weight(module.weight.detach()))
+
+
+def _materialise(
+    parts: list[_Source], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The tensor in `dtype` on `device`, each part copied (and converted) into its rows, then released."""
+    if len(parts) == 1 and parts[0].owned:
+        src = parts[0].read()
+        if src.dtype == dtype and src.device == device and tuple(src.shape) == shape and src.is_contiguous():
+            parts[0].release(None)
+            return src
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if not shape:
+        out.copy_(parts[0].read())
+        parts[0].release(None)
+        return out
+    row = 0
+    for part in parts:
+        src = part.read()
+        step = max(1, COPY_CHUNK_BYTES // max(1, src[0].numel() * src.element_size())) if src.dim() else 1
+        for r0 in range(0, part.shape[0], step):  # NOTE: row chunks, each released once copied
+            r1 = min(part.shape[0], r0 + step)
+            out[row + r0 : row + r1].copy_(src[r0:r1])
+            part.release((r0, r1))
+        row += part.shape[0]
+    return out
+
+
+def _quantized(part: _Source, method: str, group: int | None, device: torch.device) -> PackedWeight:
+    weight = quantize(part.read().to(device), method, group)
+    part.release(None)
+    return weight
+
+
+def _fused_shape(parts: list[_Source]) -> tuple[int, ...]:
+    first = parts[0].shape
+    return first if len(parts) == 1 else (sum(p.shape[0] for p in parts), *first[1:])
+
+
+def _dummy_sources(expected: dict[str, tuple[int, ...]], seed: int) -> dict[str, list[_Source]]:
+    """Deterministic random weights (drawn on CPU, in float32, so every device and dtype gets the same values)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    state = {}
-    for name, shape in expected.items():
+
+    def draw(name: str, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
         if name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        elif name.endswith(".bias"):
-            t = torch.zeros(shape)
-        else:
-            t = torch.randn(shape, generator=gen) * DUMMY_STD
-        state[name] = t.to(device=device, dtype=dtype)
-    return state
+            return lambda: torch.ones(shape)
+        if name.endswith(".bias"):
+            return lambda: torch.zeros(shape)
+        return lambda: torch.randn(shape, generator=gen) * DUMMY_STD
+
+    return {name: [_Source(shape, draw(name, shape))] for name, shape in expected.items()}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -116,71 +252,73 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_checkpoint(model_dir: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors on CPU, names without the "model." prefix, ignored ones dropped."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        for name, tensor in _iter_file(path):
+def _checkpoint_sources(files: list[MappedSafetensors], spec: ModelSpec) -> dict[str, _Source]:
+    """Every checkpoint tensor by model name (no "model." prefix), ignored ones dropped."""
+    sources: dict[str, _Source] = {}
+    for f in files:
+        for name, info in f.infos.items():
             if name.endswith(_IGNORED_SUFFIXES) or (spec.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            tensors[name.removeprefix("model.")] = tensor
-    return tensors
+            sources[name.removeprefix("model.")] = _Source(info.shape, _bind(f.view, name), _bind_release(f, name))
+    return sources
 
 
-def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        if isinstance(e, ValueError):
-            raise
-        raise ValueError(f"cannot read safetensors file {str(path)!r}: {e}") from e
+def _owned_source(tensors: dict[str, torch.Tensor], name: str) -> _Source:
+    """A tensor already in memory (GGUF, dequantized): used as is when it fits, dropped once consumed."""
+    return _Source(tuple(tensors[name].shape), lambda: tensors[name], lambda rows: _drop(tensors, name, rows), True)
 
 
-def _fuse(
-    spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Map checkpoint names to the model's, fusing q/k/v and gate/up; leftovers stay for _check_state."""
+def _drop(tensors: dict[str, torch.Tensor], name: str, rows: tuple[int, int] | None) -> None:
+    if name in tensors and (rows is None or rows[1] >= tensors[name].shape[0]):
+        del tensors[name]
+
+
+def _bind(fn: Callable[[str], _T], name: str) -> Callable[[], _T]:
+    return lambda: fn(name)
+
+
+def _bind_release(f: MappedSafetensors, name: str) -> Callable[[tuple[int, int] | None], None]:
+    return lambda rows: f.release(name, rows)
+
+
+def _fuse(spec: ModelSpec, tensors: dict[str, _Source]) -> dict[str, list[_Source]]:
+    """Map checkpoint names to the model's, grouping q/k/v and gate/up; leftovers stay for _check_state."""
+    out = {name: [src] for name, src in tensors.items()}
     for i in range(spec.num_layers):
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         for kind in ("weight", "bias"):
-            _cat(tensors, [f"{attn}{p}_proj.{kind}" for p in "qkv"], f"{attn}qkv_proj.{kind}")
-            _cat(tensors, [f"{mlp}{p}_proj.{kind}" for p in ("gate", "up")], f"{mlp}gate_up_proj.{kind}")
-    return {name: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+            _group(out, [f"{attn}{p}_proj.{kind}" for p in "qkv"], f"{attn}qkv_proj.{kind}")
+            _group(out, [f"{mlp}{p}_proj.{kind}" for p in ("gate", "up")], f"{mlp}gate_up_proj.{kind}")
+    return out
 
 
-def _cat(tensors: dict[str, torch.Tensor], parts: list[str], fused: str) -> None:
-    """Replace `parts` by their concatenation along dim 0 when all are present (else leave them)."""
-    if all(p in tensors for p in parts):
-        _check_same_width(tensors, parts)
-        tensors[fused] = torch.cat([tensors.pop(p) for p in parts], dim=0)
+def _group(sources: dict[str, list[_Source]], parts: list[str], fused: str) -> None:
+    """Replace `parts` by one entry holding all of them, in order, when all are present (else leave them)."""
+    if all(p in sources for p in parts):
+        widths = {tuple(sources[p][0].shape[1:]) for p in parts}
+        if len(widths) > 1:
+            shapes = ", ".join(f"{p}: {sources[p][0].shape}" for p in parts)
+            raise ValueError(
+                f"tensor shape mismatch between fused parts ({shapes}); config.json does not match the weights"
+            )
+        sources[fused] = [sources.pop(p)[0] for p in parts]
 
 
-def _check_same_width(tensors: dict[str, torch.Tensor], parts: list[str]) -> None:
-    widths = {tuple(tensors[p].shape[1:]) for p in parts}
-    if len(widths) > 1:
-        shapes = ", ".join(f"{p}: {tuple(tensors[p].shape)}" for p in parts)
-        raise ValueError(
-            f"tensor shape mismatch between fused parts ({shapes}); config.json does not match the weights"
-        )
-
-
-def _check_state(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], model_dir: Path) -> None:
-    missing = sorted(set(expected) - set(state))
+def _check_state(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], model_dir: Path) -> None:
+    missing = sorted(set(expected) - set(shapes))
     if missing:
         raise ValueError(
             f"weights in {str(model_dir)!r} lack {len(missing)} tensor(s) the config needs, e.g. {_hf_names(missing[:5])}"
         )
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
         raise ValueError(
             f"weights in {str(model_dir)!r} hold tensors this model does not use: {_hf_names(unexpected[:5])}"
         )
     for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
+        if tuple(shapes[name]) != shape:
             raise ValueError(
-                f"tensor {_hf_names([name])[0]!r} in {str(model_dir)!r} has shape {tuple(state[name].shape)}, config.json implies {shape}"
+                f"tensor {_hf_names([name])[0]!r} in {str(model_dir)!r} has shape {tuple(shapes[name])}, config.json implies {shape}"
             )
 
 

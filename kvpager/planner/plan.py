@@ -15,7 +15,14 @@ from kvpager.planner import kvmath
 from kvpager.planner.devices import Device, Reserve, default_reserve
 from kvpager.planner.models import ModelFacts
 from kvpager.planner.params import ParamCounts, count_parameters, expected_experts_read
-from kvpager.planner.weights import WEIGHT_FORMATS, WeightFormat, read_checkpoint_weights, weight_bytes
+from kvpager.planner.weights import (
+    WEIGHT_FORMATS,
+    WeightFormat,
+    engine_format,
+    engine_weight_bytes,
+    read_checkpoint_weights,
+    weight_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,14 @@ class PlanOptions:
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
     reserve: Reserve | None = None  # None: the device's default reserve
+    # kvpager's own storage (`kvpager serve --dtype/--quantization`): exact engine bytes when either is set
+    dtype: str | None = None  # float32 | bfloat16 | float16 (None with quantization: bfloat16)
+    quantization: str | None = None  # int8 | int4
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
+        if (self.dtype is not None or self.quantization is not None) and self.weights is not None:
+            raise ValueError("--weights and --dtype/--quantization both name a weight format: give one")
         for name in ("context", "batch", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -101,9 +114,20 @@ class Plan:
 
 
 def resolve_weights(
-    facts: ModelFacts, counts: ParamCounts, model_dir: Path | None, fmt: WeightFormat | None
+    facts: ModelFacts,
+    counts: ParamCounts,
+    model_dir: Path | None,
+    fmt: WeightFormat | None,
+    options: PlanOptions | None = None,
 ) -> WeightsAnswer:
     """Checkpoint bytes when a directory with safetensors is given and no format is forced."""
+    if options is not None and (options.dtype is not None or options.quantization is not None):
+        dtype = options.dtype or "bfloat16"
+        group = options.quantization_group_size
+        fmt_e = engine_format(dtype, options.quantization, group)
+        num_bytes = engine_weight_bytes(facts, counts, dtype, options.quantization, group)
+        bits = round(8 * num_bytes / counts.total, 3) if counts.total else 0.0
+        return WeightsAnswer(fmt_e.name, bits, fmt_e.assumption, num_bytes)
     if fmt is None and model_dir is not None:
         checkpoint = read_checkpoint_weights(model_dir)
         if checkpoint is not None:
@@ -120,7 +144,7 @@ def resolve_weights(
 def make_plan(facts: ModelFacts, options: PlanOptions, device: Device | None, model_dir: Path | None = None) -> Plan:
     """Compute every answer. ValueError on inconsistent inputs."""
     counts = count_parameters(facts)
-    weights = resolve_weights(facts, counts, model_dir, options.weights)
+    weights = resolve_weights(facts, counts, model_dir, options.weights, options)
     kv_name, kv_bytes = kvmath.parse_kv_dtype(options.kv_dtype)
     per_layer = kvmath.kv_bytes_per_token_per_layer(facts, kv_bytes)
     max_model_len = options.max_model_len or facts.max_position_embeddings or options.context

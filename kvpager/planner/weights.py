@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpager.gguf import is_gguf_path, open_gguf
+from kvpager.planner.models import ModelFacts
 from kvpager.planner.params import ParamCounts
 
 
@@ -165,3 +166,63 @@ def _read_header(path: Path) -> dict[str, dict]:
     except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
     return header
+
+
+# --- kvpager's own formats (what the engine stores: --dtype / --quantization) ------------------
+
+ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT4_SPAN = 16  # int4 weights per 8-byte span (kvpager.model.backends.quant_weights.INT4_SPAN)
+SCALE_BYTES = 4  # float32 scales (and int4 offsets)
+
+
+def engine_linear_shapes(facts: ModelFacts) -> list[tuple[int, int]]:
+    """(out, in) of every quantized projection (q, k, v, o, gate, up, down per layer): dense Llama family."""
+    if facts.moe is not None or facts.mla is not None:
+        raise ValueError(f"{facts.name}: kvpager's quantization covers dense Llama-family models only")
+    h, d, i = facts.hidden_size, facts.head_dim, facts.intermediate_size
+    q, kv = facts.num_heads * d, facts.num_kv_heads * d
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * facts.num_layers
+
+
+def quantized_matrix_bytes(out_features: int, in_features: int, method: str, group: int | None) -> int:
+    """Bytes kvpager's Int8Weight / Int4Weight hold for one [out, in] matrix."""
+    if method == "int8":
+        groups = -(-in_features // (group or in_features))
+        return out_features * (in_features + groups * SCALE_BYTES)
+    if method == "int4":
+        groups = -(-in_features // (group or 128))
+        return out_features * (-(-in_features // INT4_SPAN) * (INT4_SPAN // 2) + 2 * groups * SCALE_BYTES)
+    raise ValueError(f"unknown quantization {method!r}: choose int8 or int4")
+
+
+def engine_weight_bytes(
+    facts: ModelFacts, counts: ParamCounts, dtype: str, quantization: str | None, group: int | None
+) -> int:
+    """Exactly what `kvpager serve --dtype DTYPE --quantization Q` holds: the projections packed, the
+    embedding, lm_head, norms and biases in `dtype` (tied embeddings once)."""
+    if dtype not in ENGINE_DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPE_BYTES)}, got {dtype!r}")
+    element = ENGINE_DTYPE_BYTES[dtype]
+    if quantization is None:
+        return counts.total * element
+    shapes = engine_linear_shapes(facts)
+    packed = sum(quantized_matrix_bytes(n, k, quantization, group) for n, k in shapes)
+    dense = counts.total - sum(n * k for n, k in shapes)
+    return packed + dense * element
+
+
+def engine_format(dtype: str, quantization: str | None, group: int | None) -> WeightFormat:
+    """A WeightFormat describing the engine's storage (bits_per_weight filled in by the caller)."""
+    if quantization is None:
+        return WeightFormat(dtype, 8.0 * ENGINE_DTYPE_BYTES[dtype], True, f"kvpager --dtype {dtype}: every tensor")
+    if quantization == "int8":
+        rule = "per output channel" if group is None else f"groups of {group}"
+        text = f"kvpager int8: symmetric, one float32 scale {rule}"
+    else:
+        text = f"kvpager int4: asymmetric, float32 scale + offset per group of {group or 128}"
+    return WeightFormat(
+        f"{quantization}-kvpager",
+        0.0,
+        False,
+        f"{text}; embedding, lm_head, norms and biases in {dtype} (exact engine bytes)",
+    )

@@ -100,7 +100,9 @@ class TorchOps:
         return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, in] @ weight [out, in].T (+ bias)."""
+        """x [T, in] @ weight [out, in].T (+ bias). A packed weight (quant_weights.py) runs its own matmul."""
+        if not isinstance(weight, torch.Tensor):
+            return weight.matmul(x, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -320,6 +322,8 @@ class CpuKernelOps(TorchOps):
         return self._tables[key][1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(weight, torch.Tensor):  # a packed weight (quant_weights.py): its own kernels
+            return weight.matmul(x, bias)
         rows = x.shape[0]
         bs = blocked_stride(weight)
         if (
@@ -533,6 +537,8 @@ def _build_layer_table(layers: Sequence[Any], eps: float) -> torch.Tensor | None
         if attn.q_norm is not None:
             all_eps.add(attn.q_norm.eps)
         weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if not all(isinstance(w, torch.Tensor) for w in weights):  # packed weights: layer by layer
+            return None
         # each weight row-major (0: kvp_linear_small) or in column blocks (its block stride: kvp_linear_b)
         strides = [blocked_stride(w) for w in weights]
         blocked = {id(w) for w, bs in zip(weights, strides, strict=True) if bs}

@@ -88,7 +88,7 @@ def convert_linear_weights(model: nn.Module) -> int:
     owners: dict[int, list[nn.Module]] = {}  # id(weight) -> the Linear and Embedding modules holding it
     weights: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
+        if isinstance(module, nn.Linear | nn.Embedding) and isinstance(module.weight, torch.Tensor):
             owners.setdefault(id(module.weight), []).append(module)
             weights[id(module.weight)] = module.weight
     converted = 0

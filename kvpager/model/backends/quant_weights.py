@@ -1,0 +1,335 @@
+"""Linear weights stored packed: bfloat16, int8 and int4 (weight-only quantization), each with its matmul.
+
+A packed weight replaces an `nn.Linear`'s weight tensor after loading; the ops (ops.py) hand any
+weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internals.md):
+
+- `Bf16Weight`: the bfloat16 tensor itself (no copy), read by the kernel at decode batch sizes.
+- `Int8Weight`: symmetric, w = q * scale, q in [-127, 127] int8, one float32 scale per output channel
+  and group of `group_size` input features (per output channel: group_size = in_features).
+  GGUF Q8_0 (blocks of 32 int8 with an fp16 scale) is `Int8Weight(qs, d.float(), 32)` exactly.
+- `Int4Weight`: asymmetric, w = code * scale + offset, code in [0, 15], float32 scale and offset per
+  output channel and group (group_size a multiple of 16). GGUF Q4_0 (w = (q - 8) * d) is
+  `Int4Weight.from_codes(q, d.float(), -8 * d.float(), 32)` exactly, Q4_1 (w = q * d + m) too.
+
+`matmul`: on the CPU with the kernels (kernels/quant.cpp) up to KERNEL_MAX_ROWS input rows read the
+packed bytes directly (dequantize in registers, float32 accumulation); larger batches dequantize
+DEQUANT_CHUNK_ROWS output rows at a time into float32 and run torch's GEMM (the dequantization cost is
+shared by every row). Elsewhere (CUDA, no compiler) the whole weight is dequantized per call: correct,
+not fast. `dequantize()` is the torch reference the tests hold the kernels to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+
+from kvpager.model.backends.quant_kernels import FMT_BF16, FMT_INT4, FMT_INT8, quant_kernels_or_none
+
+KERNEL_MAX_ROWS = 16  # the kernel re-reads each cached weight row per 4 input rows: beyond 16, GEMM wins
+DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
+INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
+QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
+
+
+class PackedWeight:
+    """A linear weight [out_features, in_features] in a packed format; see the module docstring."""
+
+    fmt: int
+    out_features: int
+    in_features: int
+    group_size: int
+    method: str
+
+    def __init__(self) -> None:
+        self.force_portable = False  # tests: run the portable kernel path on an AVX2 CPU
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors()[0].device
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The stored tensors, weights first: what nbytes and the digest cover."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor (the reference the kernels are tested against)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def update_digest(self, h: hashlib._Hash) -> None:
+        """Feed the method, shape and stored bytes to `h` (the KV fingerprint commits to them)."""
+        h.update(f"{self.method}:{self.out_features}x{self.in_features}:g{self.group_size}".encode())
+        for t in self.tensors():
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] @ w.T (+ bias) -> [..., out] in x's dtype."""
+        kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
+        if kernels is None:
+            return F.linear(x, self.dequantize(x.dtype).to(x.device), bias)
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if rows > KERNEL_MAX_ROWS:
+            out = self._gemm(x2, kernels)
+            if bias is not None:
+                out += bias.float()
+        else:
+            xf = x2.float().contiguous()
+            out = torch.empty((rows, self.out_features), dtype=torch.float32)
+            b = bias.float().contiguous() if bias is not None else None  # NOTE: held while the kernel reads it
+            w, scales, offsets = self._pointers()
+            kernels.linear(
+                self.fmt,
+                xf.data_ptr(),
+                rows,
+                self.in_features,
+                w,
+                scales,
+                offsets,
+                self.out_features,
+                self.group_size,
+                b.data_ptr() if b is not None else None,
+                out.data_ptr(),
+                torch.get_num_threads(),
+                int(self.force_portable),
+            )
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, x2: torch.Tensor, kernels: object) -> torch.Tensor:
+        """Large batches: dequantize DEQUANT_CHUNK_ROWS output rows at a time, torch's GEMM on each."""
+        xf = x2.float().contiguous()
+        out = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
+        chunk = min(DEQUANT_CHUNK_ROWS, self.out_features)
+        scratch = torch.empty((chunk, self.in_features), dtype=torch.float32)
+        w, scales, offsets = self._pointers()
+        for n0 in range(0, self.out_features, chunk):
+            n1 = min(self.out_features, n0 + chunk)
+            buf = scratch[: n1 - n0]
+            kernels.dequant(  # type: ignore[attr-defined]
+                self.fmt, w, scales, offsets, self.out_features, self.in_features, self.group_size,
+                n0, n1, buf.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            out[:, n0:n1] = F.linear(xf, buf)
+        return out
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        raise NotImplementedError
+
+
+class Bf16Weight(PackedWeight):
+    """A bfloat16 weight (the tensor itself, no copy) read by the kernel at decode batch sizes."""
+
+    fmt, method = FMT_BF16, "bfloat16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"Bf16Weight needs a 2-D bfloat16 tensor, got {weight.dtype} {tuple(weight.shape)}")
+        self.weight = weight.contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.group_size = self.in_features
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.reshape(-1, self.in_features).shape[0] > KERNEL_MAX_ROWS and _native_bf16():
+            return F.linear(x.to(torch.bfloat16), self.weight, bias).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
+        return super().matmul(x, bias)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.weight.data_ptr(), None, None
+
+
+class Int8Weight(PackedWeight):
+    """Symmetric int8, group-wise along the input (group_size = in_features: per output channel)."""
+
+    fmt, method = FMT_INT8, "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+        super().__init__()
+        out_features, in_features = qweight.shape
+        _check_groups(qweight, scales, group_size, in_features, "Int8Weight")
+        if qweight.dtype != torch.int8:
+            raise ValueError(f"Int8Weight needs int8 values, got {qweight.dtype}")
+        self.qweight, self.scales = qweight.contiguous(), scales.float().contiguous()
+        self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+        """Round-to-nearest: scale = max|w| / 127 per group (a zero group gets scale 1)."""
+        out_features, in_features = weight.shape
+        group = group_size or in_features
+        num_groups = -(-in_features // group)
+        q = torch.empty((out_features, in_features), dtype=torch.int8, device=weight.device)
+        scales = torch.empty((out_features, num_groups), dtype=torch.float32, device=weight.device)
+        for r0 in range(0, out_features, QUANTIZE_CHUNK_ROWS):
+            w = _grouped(
+                weight[r0 : r0 + QUANTIZE_CHUNK_ROWS].to(torch.float32, copy=True), group
+            )  # NOTE: a copy: scratch edited in place
+            s = w.abs().amax(-1) / 127.0
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            q[r0 : r0 + QUANTIZE_CHUNK_ROWS] = (
+                w.div_(s[..., None]).round_().clamp_(-127, 127).flatten(1)[:, :in_features].to(torch.int8)
+            )
+            scales[r0 : r0 + QUANTIZE_CHUNK_ROWS] = s
+        return cls(q, scales, group)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.qweight, self.scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        return (self.qweight.float() * scales).to(dtype)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.qweight.data_ptr(), self.scales.data_ptr(), None
+
+
+class Int4Weight(PackedWeight):
+    """Asymmetric int4, group-wise along the input: w = code * scale + offset, two codes per byte."""
+
+    fmt, method = FMT_INT4, "int4"
+
+    def __init__(
+        self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, in_features: int
+    ) -> None:
+        super().__init__()
+        out_features = packed.shape[0]
+        if packed.dtype != torch.uint8 or packed.shape[1] != -(-in_features // INT4_SPAN) * (INT4_SPAN // 2):
+            raise ValueError(f"Int4Weight: packed must be uint8 [N, ceil(K / 16) * 8], got {tuple(packed.shape)}")
+        if group_size % INT4_SPAN != 0:
+            raise ValueError(f"int4 group size must be a multiple of {INT4_SPAN}, got {group_size}")
+        _check_groups(packed, scales, group_size, in_features, "Int4Weight")
+        if offsets.shape != scales.shape:
+            raise ValueError(f"Int4Weight: offsets {tuple(offsets.shape)} must match scales {tuple(scales.shape)}")
+        self.packed, self.scales, self.offsets = (
+            packed.contiguous(),
+            scales.float().contiguous(),
+            offsets.float().contiguous(),
+        )
+        self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
+
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+    ) -> Int4Weight:
+        """From unpacked codes [N, K] (integers 0..15, any integer dtype) and per-group scales/offsets."""
+        if codes.dim() != 2 or codes.dtype.is_floating_point:
+            raise ValueError(f"Int4Weight.from_codes needs 2-D integer codes, got {codes.dtype} {tuple(codes.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+            raise ValueError("Int4Weight.from_codes: codes must lie in 0..15")
+        return cls(_pack_int4(codes.to(torch.uint8)), scales, offsets, group_size, codes.shape[1])
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
+        """Round-to-nearest between each group's min and max: scale = (max - min) / 15, offset = min."""
+        out_features, in_features = weight.shape
+        num_groups = -(-in_features // group_size)
+        span_bytes = -(-in_features // INT4_SPAN) * (INT4_SPAN // 2)
+        packed = torch.empty((out_features, span_bytes), dtype=torch.uint8, device=weight.device)
+        scales = torch.empty((out_features, num_groups), dtype=torch.float32, device=weight.device)
+        offsets = torch.empty_like(scales)
+        for r0 in range(0, out_features, QUANTIZE_CHUNK_ROWS):
+            w = _grouped(
+                weight[r0 : r0 + QUANTIZE_CHUNK_ROWS].to(torch.float32, copy=True), group_size
+            )  # NOTE: a copy: scratch edited in place
+            lo, hi = w.amin(-1), w.amax(-1)
+            s = (hi - lo) / 15.0
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            # NOTE: in place: the float32 scratch of one chunk is the only transient
+            codes = w.sub_(lo[..., None]).div_(s[..., None]).round_().clamp_(0, 15).flatten(1)[:, :in_features]
+            packed[r0 : r0 + QUANTIZE_CHUNK_ROWS] = _pack_int4(codes.to(torch.uint8))
+            scales[r0 : r0 + QUANTIZE_CHUNK_ROWS], offsets[r0 : r0 + QUANTIZE_CHUNK_ROWS] = s, lo
+        return cls(packed, scales, offsets, group_size, in_features)
+
+    def codes(self) -> torch.Tensor:
+        """The unpacked codes [N, K] uint8."""
+        spans = self.packed.view(self.out_features, -1, INT4_SPAN // 2)
+        return torch.cat([spans & 0xF, spans >> 4], dim=-1).flatten(1)[:, : self.in_features]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scales, self.offsets)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        offsets = self.offsets.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        return (self.codes().float() * scales + offsets).to(dtype)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr()
+
+
+def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Row-wise concatenation (fused q/k/v, gate/up): quantization is per output row, so it commutes."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, Int8Weight):
+        i8 = [p for p in parts if isinstance(p, Int8Weight)]
+        return Int8Weight(torch.cat([p.qweight for p in i8]), torch.cat([p.scales for p in i8]), first.group_size)
+    if isinstance(first, Int4Weight):
+        i4 = [p for p in parts if isinstance(p, Int4Weight)]
+        return Int4Weight(
+            torch.cat([p.packed for p in i4]),
+            torch.cat([p.scales for p in i4]),
+            torch.cat([p.offsets for p in i4]),
+            first.group_size,
+            first.in_features,
+        )
+    raise TypeError(f"cannot concatenate {type(first).__name__}")
+
+
+def quantize(weight: torch.Tensor, method: str, group_size: int | None) -> PackedWeight:
+    """`weight` [N, K] (any float dtype) in `method` ("int8" | "int4") by round-to-nearest."""
+    if method == "int8":
+        return Int8Weight.from_float(weight, group_size)
+    if method == "int4":
+        return Int4Weight.from_float(weight, group_size or 128)
+    raise ValueError(f"unknown quantization {method!r}")
+
+
+def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
+    """[rows, K] -> [rows, G, group], the last group padded with copies of the last column (which
+    belongs to that group, so its min/max/absmax are unchanged)."""
+    rows, k = w.shape
+    pad = -k % group
+    if pad:
+        w = torch.cat([w, w[:, -1:].expand(rows, pad)], dim=1)
+    return w.view(rows, -1, group)
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    rows, k = codes.shape
+    pad = -k % INT4_SPAN
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros((rows, pad))], dim=1)
+    spans = codes.view(rows, -1, INT4_SPAN)
+    half = INT4_SPAN // 2
+    return (spans[..., :half] | (spans[..., half:] << 4)).flatten(1).contiguous()
+
+
+def _check_groups(values: torch.Tensor, scales: torch.Tensor, group: int, in_features: int, cls: str) -> None:
+    if values.dim() != 2 or group < 1:
+        raise ValueError(f"{cls}: 2-D values and a positive group size needed, got {tuple(values.shape)}, {group}")
+    expected = (values.shape[0], -(-in_features // group))
+    if tuple(scales.shape) != expected:
+        raise ValueError(f"{cls}: scales must be {expected} for group size {group}, got {tuple(scales.shape)}")
+
+
+def _native_bf16() -> bool:
+    from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
+
+    return native_bf16_matmul_available()

@@ -1,0 +1,131 @@
+"""bfloat16 checkpoints: `--dtype auto` takes the checkpoint's dtype, and the bfloat16 model's logits
+stay as close to transformers' bfloat16 logits as bfloat16 rounding allows.
+
+Tolerance: two bfloat16 implementations that round after different operations (here the linear
+layers accumulate in float32 in kvpager's kernel and in torch's GEMM, attention and RoPE round at
+different points) cannot agree bit for bit. Each differs from the float32 result by its own
+rounding error, so the test bounds kvpager's distance to transformers-bf16 by twice transformers'
+own bf16 error against its float32 logits, plus one bfloat16 step (2^-7 relative) of the largest
+logit: a real mistake (a dropped bias, a wrong norm, float32 leaking into one path) is far outside.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
+from test_model_equivalence import PagedHarness, _prompts
+
+from kvpager.core.config import EngineConfig, resolve_dtype
+from kvpager.engine.engine import Engine
+from kvpager.model import load_model
+from kvpager.model.backends.quant_weights import Bf16Weight
+
+BF16_STEP = 2.0**-7
+MAKERS: dict[str, Callable[..., Path]] = {
+    "llama": make_llama_checkpoint,
+    "qwen2_bias_tied": make_qwen2_checkpoint,
+    "qwen3_qk_norm": make_qwen3_checkpoint,
+    "mistral": make_mistral_checkpoint,
+}
+
+
+def _bf16_checkpoint(root: Path, make: Callable[..., Path], seed: int) -> Path:
+    """A checkpoint saved in bfloat16 (config torch_dtype bfloat16), as published models are."""
+    from transformers import AutoModelForCausalLM
+
+    src = make(root / "f32", seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    out = root / "bf16"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: _bf16_checkpoint(tmp_path_factory.mktemp(name), make, seed)
+        for seed, (name, make) in enumerate(MAKERS.items())
+    }
+
+
+def test_dtype_auto_follows_the_checkpoint_with_vllms_cpu_rules() -> None:
+    assert resolve_dtype("auto", "bfloat16", "cpu") == "bfloat16"
+    assert resolve_dtype("auto", "float16", "cpu") == "bfloat16"  # vLLM casts float16 to bfloat16 on CPU
+    assert resolve_dtype("auto", "float16", "cuda") == "float16"
+    assert resolve_dtype("auto", "float32", "cpu") == "float32"  # kvpager keeps float32 (vLLM downcasts)
+    assert resolve_dtype("auto", "torch.bfloat16", "cpu") == "bfloat16"
+    assert resolve_dtype("float32", "bfloat16", "cpu") == "float32"  # an explicit dtype wins
+    assert EngineConfig().dtype == "auto"
+    with pytest.raises(ValueError, match="resolved when the model loads"):
+        _ = EngineConfig().resolved_kv_cache_dtype
+
+
+def test_engine_with_dtype_auto_runs_a_bf16_checkpoint_in_bf16_without_float32_weights(
+    bf16_checkpoints: dict[str, Path], llama_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = bf16_checkpoints["llama"]
+    assert json.loads((path / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    with caplog.at_level("INFO", logger="kvpager"):
+        engine = Engine(EngineConfig(model=str(path), kv_cache_memory=1 << 20))
+    assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert "weights: dtype bfloat16 (checkpoint bfloat16)" in caplog.text and "linear layers:" in caplog.text
+    model = engine.loaded.model
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(qkv, Bf16Weight) or qkv.dtype == torch.bfloat16
+    assert engine.loaded.weight_bytes == 2 * model.spec.num_parameters()
+    float_engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 20))
+    assert float_engine.config.dtype == "float32"
+
+
+def _logit_runs(path: Path, prompt: list[int], extra: list[int]) -> tuple[torch.Tensor, ...]:
+    """kvpager bf16, transformers bf16 and transformers float32 logits for the prompt then 3 decodes."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(path, dtype=torch.bfloat16, device="cpu")
+    harness = PagedHarness(model, block_size=4, kv_dtype=torch.bfloat16)
+    ours = [harness.step([("s", prompt)])[0]]
+    for token in extra:
+        ours.append(harness.step([("s", [token])])[0])
+    refs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        with torch.inference_mode():
+            refs.append(hf(torch.tensor([prompt + extra])).logits[0].float())
+    return torch.cat(ours), refs[0], refs[1]
+
+
+@pytest.mark.parametrize("case", list(MAKERS))
+def test_bf16_logits_match_transformers_bf16_within_bf16_rounding(bf16_checkpoints: dict[str, Path], case: str) -> None:
+    path = bf16_checkpoints[case]
+    spec_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompt, extra = _prompts(spec_vocab, [21, 3], seed=5)
+    ours, hf_bf16, hf_f32 = _logit_runs(path, prompt, extra)
+    own_error = (hf_bf16 - hf_f32).abs().max().item()
+    bound = 2 * own_error + BF16_STEP * hf_f32.abs().max().item()
+    err = (ours - hf_bf16).abs().max().item()
+    assert err <= bound, f"max |kvpager bf16 - transformers bf16| {err:.3e} > {bound:.3e}"
+    assert (ours.argmax(-1) == hf_bf16.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_bf16_linear_kernel_and_torch_fallback_agree(bf16_checkpoints: dict[str, Path]) -> None:
+    """The same bf16 weights through the packed-weight kernel (AVX2 and portable paths) and torch."""
+    model = load_model(bf16_checkpoints["llama"], dtype=torch.bfloat16, device="cpu")
+    weight = model.layers[0].mlp.down_proj.weight
+    if not isinstance(weight, Bf16Weight):
+        pytest.skip("no C++ compiler here: bf16 linears run in torch (nothing to compare)")
+    x = torch.randn(3, weight.in_features).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), weight.weight.float())
+    for portable in (False, True):
+        weight.force_portable = portable
+        got = weight.matmul(x, None)
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), ref, rtol=BF16_STEP, atol=1e-6)
+    weight.force_portable = False

@@ -1,0 +1,148 @@
+"""Packed-weight linears (bf16, int8, int4) against a dequantize-then-matmul reference.
+
+The reference multiplies the float32 dequantized weight (`dequantize()`, plain torch) with x in
+float64. The kernels sum the same float32 products in another order (group partial sums times the
+scale), so they may differ by float32 rounding only: the bound is the classic one for a length-K
+float32 dot product, 2 K 2^-24 sum_k |x_k w_k|, elementwise. A wrong nibble, scale, group index or
+tail element is off by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpager.model.backends import quant_weights
+from kvpager.model.backends.kernels.build import KernelBuildError
+from kvpager.model.backends.quant_kernels import load_quant_kernels
+from kvpager.model.backends.quant_weights import (
+    DEQUANT_CHUNK_ROWS,
+    KERNEL_MAX_ROWS,
+    Bf16Weight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    cat_rows,
+)
+
+BATCHES = [1, 3, 16, 64]  # 1-16: the kernel; 64: dequantize in chunks + torch's GEMM
+SHAPES = [(37, 100), (64, 256), (530, 129)]  # N not a multiple of any tile; K not a multiple of the group
+FORMATS = {
+    "bf16": lambda w: Bf16Weight(w.to(torch.bfloat16)),
+    "int8_channel": lambda w: Int8Weight.from_float(w),
+    "int8_g32": lambda w: Int8Weight.from_float(w, 32),
+    "int4_g32": lambda w: Int4Weight.from_float(w, 32),
+    "int4_g64": lambda w: Int4Weight.from_float(w, 64),
+    "int4_g128": lambda w: Int4Weight.from_float(w, 128),
+}
+
+
+def _kernels_or_skip() -> None:
+    try:
+        load_quant_kernels()
+    except KernelBuildError as exc:  # pragma: no cover - every CI machine has g++
+        pytest.skip(f"no C++ compiler for the packed-weight kernels: {exc}")
+
+
+def _assert_float32_exact(out: torch.Tensor, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+    w = weight.dequantize().double()
+    ref = x.double() @ w.t() + (bias.double() if bias is not None else 0.0)
+    bound = 2 * weight.in_features * 2.0**-24 * (x.double().abs() @ w.abs().t()) + 1e-30
+    excess = ((out.double() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"off by more than float32 rounding ({excess:.3e} over the bound)"
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_packed_linear_equals_dequantize_then_matmul_to_float32_rounding(
+    fmt: str, shape: tuple[int, int], portable: bool
+) -> None:
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(10 * list(FORMATS).index(fmt) + SHAPES.index(shape))
+    n, k = shape
+    weight = FORMATS[fmt](torch.randn(n, k, generator=gen) * 0.05)
+    weight.force_portable = portable
+    bias = torch.randn(n, generator=gen)
+    for rows in BATCHES:
+        x = torch.randn(rows, k, generator=gen)
+        out = weight.matmul(x, bias if rows % 2 else None)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        _assert_float32_exact(out, x, weight, bias if rows % 2 else None)
+
+
+def test_large_batch_path_covers_several_dequantized_chunks() -> None:
+    _kernels_or_skip()
+    n = DEQUANT_CHUNK_ROWS * 2 + 3
+    weight = Int4Weight.from_float(torch.randn(n, 48) * 0.1, 16)
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 48)
+    _assert_float32_exact(weight.matmul(x, None), x, weight, None)
+
+
+def test_torch_fallback_without_kernels_dequantizes_and_keeps_the_input_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = Int8Weight.from_float(torch.randn(40, 70), 32)
+    x = torch.randn(5, 70)
+    monkeypatch.setattr(quant_weights, "quant_kernels_or_none", lambda: None)
+    _assert_float32_exact(weight.matmul(x, None), x, weight, None)
+    assert weight.matmul(x.to(torch.bfloat16), None).dtype == torch.bfloat16
+
+
+def test_rounding_to_nearest_stays_within_half_a_step() -> None:
+    w = torch.randn(33, 200) * 0.1
+    w[3] = 0.0  # a zero row: scale 1, exact zeros
+    w[4, :64] = 0.25  # a constant group: exact
+    original = w.clone()
+    i8, i4 = Int8Weight.from_float(w), Int4Weight.from_float(w, 64)
+    assert torch.equal(w, original)  # the source (a mapped checkpoint tensor while loading) is never written
+    step8 = i8.scales.repeat_interleave(i8.group_size, 1)[:, :200]
+    step4 = i4.scales.repeat_interleave(64, 1)[:, :200]
+    assert ((i8.dequantize() - w).abs() <= step8 / 2 * (1 + 1e-5)).all()
+    assert ((i4.dequantize() - w).abs() <= step4 / 2 * (1 + 1e-5) + 1e-7).all()
+    assert torch.equal(i8.dequantize()[3], torch.zeros(200)) and torch.equal(i4.dequantize()[3], torch.zeros(200))
+    assert torch.allclose(i4.dequantize()[4, :64], torch.full((64,), 0.25))
+    assert int(i8.qweight.abs().max()) == 127 and int(i4.codes().max()) == 15 and int(i4.codes().min()) == 0
+
+
+def test_gguf_q8_0_and_q4_0_blocks_map_exactly() -> None:
+    """GGUF's Q8_0 (w = q d) and Q4_0 (w = (q - 8) d), blocks of 32 with an fp16 scale d."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 6, 96
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-3).to(torch.float16)
+    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d_full = d.float().repeat_interleave(32, 1)
+    w8 = Int8Weight(q8, d.float(), 32)
+    w4 = Int4Weight.from_codes(q4, d.float(), -8 * d.float(), 32)
+    assert torch.equal(w8.dequantize(), q8.float() * d_full)
+    assert torch.equal(w4.dequantize(), (q4.float() - 8) * d_full)
+    assert torch.equal(w4.codes(), q4)
+
+
+def test_row_concatenation_equals_quantizing_the_fused_tensor() -> None:
+    parts = [torch.randn(r, 80) for r in (16, 8, 8)]
+    for make in (lambda w: Int8Weight.from_float(w, 32), lambda w: Int4Weight.from_float(w, 32)):
+        fused, joined = make(torch.cat(parts)), cat_rows([make(p) for p in parts])
+        assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), joined.tensors(), strict=True))
+
+
+def test_malformed_packed_weights_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="scales must be"):
+        Int8Weight(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 3), 32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int4Weight.from_float(torch.randn(4, 64), 24)
+    with pytest.raises(ValueError, match="0..15"):
+        Int4Weight.from_codes(torch.full((2, 32), 16), torch.ones(2, 1), torch.zeros(2, 1), 32)
+    with pytest.raises(ValueError, match="bfloat16"):
+        Bf16Weight(torch.zeros(3, 3))
+
+
+def test_the_kernel_path_follows_the_cpu_features() -> None:
+    _kernels_or_skip()
+    kernels = load_quant_kernels()
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    has_avx2 = {"avx2", "fma"} <= set(flags.split())
+    assert kernels.avx2 == has_avx2
+    assert kernels.avx2_path(1) == 0  # the portable path can always be forced
+    assert ("AVX2" in kernels.describe()) == has_avx2
