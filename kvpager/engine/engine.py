@@ -307,6 +307,11 @@ class Engine:
         """Insert a pack from `decode_kv` into the prefix cache (call between steps)."""
         return self.kv_transfer.insert_payload(pack, num_bytes)
 
+    def kernel_fallbacks(self) -> dict[str, dict[str, int]]:
+        """Calls of each CPU kernel op that ran in torch instead, by reason ({op: {reason: calls}})."""
+        fallbacks: dict[str, dict[str, int]] = self.runner.model.ops.kernel_stats()["fallbacks"]
+        return fallbacks
+
     def kv_tier_stats(self) -> KVTierStats:
         """Per-tier hits, misses, bytes held, evictions, load/save times and bytes moved."""
         evictions = self.kv_manager.block_pool.evictions

@@ -251,12 +251,14 @@ def _add_routes(app: FastAPI, serving: Serving, engine: AsyncEngine, settings: S
 async def _refresh_kv_stats(serving: Serving, engine: AsyncEngine) -> None:
     """Read the KV tier stats on the engine thread; on a dead or stuck loop keep the last ones."""
     try:
-        stats = await asyncio.wait_for(
-            engine.run_in_engine(lambda e: e.kv_tier_stats().as_dict()), timeout=KV_STATS_TIMEOUT_S
+        stats, fallbacks = await asyncio.wait_for(
+            engine.run_in_engine(lambda e: (e.kv_tier_stats().as_dict(), e.kernel_fallbacks())),
+            timeout=KV_STATS_TIMEOUT_S,
         )
     except (EngineDeadError, TimeoutError):
         return
     serving.metrics.kv_tiers = stats
+    serving.metrics.kernel_fallbacks = fallbacks
 
 
 def tokenizer_description(tokenizer: Any, chat_template: str | None, max_model_len: int) -> dict[str, Any]:
