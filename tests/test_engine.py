@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import run_greedy
+from engine_helpers import run_greedy, tiny_llama_config
 
 from kvpager.api.llm import LLM
 from kvpager.core.config import EngineConfig
@@ -235,3 +235,11 @@ def test_unknown_kernel_backend_and_kernels_for_bf16_are_refused(llama_checkpoin
         Engine(
             EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, dtype="bfloat16", kernel_backend="cpu")
         )
+
+
+def test_engine_reports_its_ops_kernel_fallbacks_for_metrics(llama_checkpoint: Path) -> None:
+    engine = Engine(tiny_llama_config(llama_checkpoint, num_blocks=32))
+    run_greedy(engine, [1, 2, 3], 3)
+    fallbacks = engine.kernel_fallbacks()
+    assert fallbacks == engine.runner.model.ops.kernel_stats()["fallbacks"]
+    assert all(isinstance(calls, int) for reasons in fallbacks.values() for calls in reasons.values())

@@ -15,9 +15,9 @@ import torch
 from kvpager.core.hashing import hash_prompt_blocks, model_fingerprint
 from kvpager.kvstore.pack import (
     PACK_MAGIC,
-    ModelFacts,
     PackExpectation,
     PackHeader,
+    PackModel,
     decode_payload,
     encode_payload,
     inspect_pack,
@@ -27,7 +27,7 @@ from kvpager.kvstore.pack import (
 
 torch.set_num_threads(1)
 
-FACTS = ModelFacts(
+FACTS = PackModel(
     architecture="LlamaForCausalLM",
     dtype="float32",
     block_size=4,
@@ -40,23 +40,23 @@ FACTS = ModelFacts(
 TOKEN_IDS = tuple(range(100, 114))  # 14 tokens: 3 full blocks of 4 and a partial tail
 
 
-def fingerprint(facts: ModelFacts = FACTS) -> bytes:
+def fingerprint(facts: PackModel = FACTS) -> bytes:
     return model_fingerprint(
         facts.architecture, facts.weights_digest, facts.dtype, facts.block_size, facts.tokenizer_digest
     )
 
 
-def make_header(facts: ModelFacts = FACTS) -> PackHeader:
+def make_header(facts: PackModel = FACTS) -> PackHeader:
     return PackHeader(model_fingerprint=fingerprint(facts).hex(), model=facts, token_ids=TOKEN_IDS, created_at=1234.5)
 
 
-def make_blocks(facts: ModelFacts = FACTS) -> list[tuple[bytes, torch.Tensor]]:
+def make_blocks(facts: PackModel = FACTS) -> list[tuple[bytes, torch.Tensor]]:
     hashes = hash_prompt_blocks(fingerprint(facts), TOKEN_IDS, facts.block_size)
     generator = torch.Generator().manual_seed(0)
     return [(h, torch.randn(facts.block_shape, generator=generator)) for h in hashes]
 
 
-def expectation(facts: ModelFacts = FACTS) -> PackExpectation:
+def expectation(facts: PackModel = FACTS) -> PackExpectation:
     return PackExpectation(model_fingerprint=fingerprint(facts).hex(), model=facts)
 
 

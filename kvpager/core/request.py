@@ -115,12 +115,17 @@ class Request:
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without copying the whole history."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return token_ids_between(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+
+def token_ids_between(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:
+    """`(prompt + output)[start:end]` without concatenating the whole history."""
+    num_prompt = len(prompt_token_ids)
+    if end <= num_prompt:
+        return prompt_token_ids[start:end]
+    if start >= num_prompt:
+        return output_token_ids[start - num_prompt : end - num_prompt]
+    return prompt_token_ids[start:] + output_token_ids[: end - num_prompt]

@@ -24,7 +24,7 @@ from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
 from kvpager.engine.loading import LoadedModel, load, log_pool
 from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
-from kvpager.kvstore.pack import ModelFacts, Pack, PackExpectation
+from kvpager.kvstore.pack import Pack, PackExpectation, PackModel
 from kvpager.kvstore.remote import RemotePublisher
 from kvpager.worker.runner import ModelRunner
 from kvpager.worker.structured import GrammarCompiler
@@ -239,7 +239,7 @@ class Engine:
     def kv_expectation(self) -> PackExpectation:
         """What a KV pack or payload must match to be loaded here (model facts + fingerprint)."""
         lm, spec = self.loaded, self.model_spec
-        facts = ModelFacts(
+        facts = PackModel(
             architecture=spec.architecture,
             dtype=self.config.resolved_kv_cache_dtype,
             block_size=self.config.block_size,

@@ -117,20 +117,21 @@ def load(config: EngineConfig) -> LoadedModel:
         weights_digest = f"gguf:{gguf_model.digest()}"  # tensor data and hyper-parameters (kvpager.gguf)
     else:
         weights_digest = weights_file_digest(model_dir)
-    components = base_fingerprint_components(
-        config,
-        spec,
-        model_dir,
-        weights_digest,
-        tokenizer.tokenizer_digest(),
-        config_in_weights=gguf_model is not None,
-    )
     if config.quantization is not None:
-        # NOTE: KV computed with quantized weights is not the float model's: the fingerprint commits to
-        # the method, its group size and the quantized bytes themselves.
+        # NOTE: KV computed with quantized weights is not the float model's: the weights the fingerprint
+        # names are the quantized ones (method, group size and a digest of the quantized bytes).
         group = config.resolved_quantization_group_size or "channel"
-        components.append(("quantization", f"{config.quantization}-g{group}:{quantized_weights_digest(model)}"))
-    fingerprint = model_fingerprint(components)
+        weights_digest += f"+{config.quantization}-g{group}:{quantized_weights_digest(model)}"
+    fingerprint = model_fingerprint(
+        base_fingerprint_components(
+            config,
+            spec,
+            model_dir,
+            weights_digest,
+            tokenizer.tokenizer_digest(),
+            config_in_weights=gguf_model is not None,
+        )
+    )
     return LoadedModel(
         model_dir,
         spec,

@@ -52,7 +52,7 @@ _HEADER_FIXED_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class PackModel:
     """What makes KV bytes interchangeable between engines (plain strings and ints)."""
 
     architecture: str
@@ -75,7 +75,7 @@ class PackHeader:
     """The model-level part of a pack header; codec and per-block entries are added on write."""
 
     model_fingerprint: str  # hex of the fingerprint bytes that seed the block hash chain
-    model: ModelFacts
+    model: PackModel
     token_ids: tuple[int, ...]
     created_at: float = field(default_factory=time.time)
     kvpager_version: str = __version__
@@ -90,7 +90,7 @@ class PackExpectation:
     """
 
     model_fingerprint: str
-    model: ModelFacts
+    model: PackModel
     max_tokens: int | None = None
 
 
@@ -320,10 +320,10 @@ def _parse_header(fields: dict[str, Any], source: str) -> tuple[PackHeader, str,
             f"KV {source}: format version {version} is not supported (this kvpager reads {PACK_FORMAT_VERSION})"
         )
     model = _field(fields, "model", dict, source)
-    facts = ModelFacts(
+    facts = PackModel(
         **{
             name: _field(model, name, int if name in _INT_FACTS else str, f"{source} model")
-            for name in ModelFacts.__dataclass_fields__
+            for name in PackModel.__dataclass_fields__
         }
     )
     token_ids = _field(fields, "token_ids", list, source)

@@ -33,9 +33,9 @@ import torch
 from kvpager.core.block_pool import BlockPool
 from kvpager.core.hashing import BlockHash
 from kvpager.core.kv_events import BlockStored, KVEvent
-from kvpager.kvstore.codec import Codec, Device
+from kvpager.kvstore.codec import Codec
 from kvpager.kvstore.records import EncodedBlock, RecordError, decode_record, encode_record
-from kvpager.kvstore.tiers import TierStats, decode_block, encode_block
+from kvpager.kvstore.tiers import RecordTier, TierStats, encode_block
 
 logger = logging.getLogger("kvpager.kvstore.remote")
 
@@ -95,8 +95,10 @@ def connect(url: str, timeout_s: float) -> Any:
     )
 
 
-class RemoteTier:
+class RemoteTier(RecordTier):
     """Blocks of one model (fingerprint) in a shared Redis/Valkey server; see the module docstring."""
+
+    _stats: RemoteTierStats
 
     def __init__(
         self,
@@ -218,25 +220,6 @@ class RemoteTier:
         self._stats.bytes_out += len(record)
         self._stats.load_seconds += time.perf_counter() - start
         return encoded
-
-    def load(self, block_hash: BlockHash, device: Device = "cpu") -> tuple[torch.Tensor, EncodedBlock] | None:
-        """The decoded, verified block on `device` and its encoded form, or None. Never raises."""
-        encoded = self.get_encoded(block_hash)
-        if encoded is None:
-            return None
-        start = time.perf_counter()
-        try:
-            block = decode_block(encoded, device)
-        except ValueError as error:
-            self._stats.hits -= 1
-            self._reject(block_hash, f"undecodable payload: {error}")
-            return None
-        self._stats.load_seconds += time.perf_counter() - start
-        return block, encoded
-
-    def get(self, block_hash: BlockHash, device: Device = "cpu") -> torch.Tensor | None:
-        loaded = self.load(block_hash, device)
-        return None if loaded is None else loaded[0]
 
     # -- the server -----------------------------------------------------------------------------
     def check_eviction_policy(self) -> str | None:

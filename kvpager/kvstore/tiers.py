@@ -153,7 +153,43 @@ class HostTier:
         return list(self._blocks.items())
 
 
-class DiskTier:
+class RecordTier:
+    """What the tiers that keep checksummed records (disk, remote) share: decoding a verified record.
+
+    A subclass provides `get_encoded` (the verified record's payload, counting the hit), `_reject`
+    (drop a bad record, logged) and `_stats`.
+    """
+
+    _stats: TierStats
+
+    def get_encoded(self, block_hash: BlockHash) -> EncodedBlock | None:
+        raise NotImplementedError
+
+    def _reject(self, block_hash: BlockHash, reason: str) -> None:
+        raise NotImplementedError
+
+    def load(self, block_hash: BlockHash, device: Device = "cpu") -> tuple[torch.Tensor, EncodedBlock] | None:
+        """The decoded, verified block on `device` and its encoded form, or None. Never raises on a bad record."""
+        encoded = self.get_encoded(block_hash)
+        if encoded is None:
+            return None
+        start = time.perf_counter()
+        try:
+            block = decode_block(encoded, device)
+        except ValueError as error:  # unknown codec/dtype, or a payload that does not fit its shape
+            self._stats.hits -= 1
+            self._reject(block_hash, f"undecodable payload: {error}")
+            return None
+        self._stats.load_seconds += time.perf_counter() - start
+        return block, encoded
+
+    def get(self, block_hash: BlockHash, device: Device = "cpu") -> torch.Tensor | None:
+        """The decoded, verified block on `device`, or None. Never raises on a bad record."""
+        loaded = self.load(block_hash, device)
+        return None if loaded is None else loaded[0]
+
+
+class DiskTier(RecordTier):
     """One checksummed file per block under `directory/<fingerprint hex[:16]>/<hash hex[:2]>/`.
 
     An in-memory index (hash -> file size, LRU order) is rebuilt at start by scanning the
@@ -259,26 +295,6 @@ class DiskTier:
         self._stats.bytes_out += len(data)
         self._stats.load_seconds += time.perf_counter() - start
         return encoded
-
-    def load(self, block_hash: BlockHash, device: Device = "cpu") -> tuple[torch.Tensor, EncodedBlock] | None:
-        """The decoded, verified block on `device` and its encoded form, or None. Never raises on a bad file."""
-        encoded = self.get_encoded(block_hash)
-        if encoded is None:
-            return None
-        start = time.perf_counter()
-        try:
-            block = decode_block(encoded, device)
-        except ValueError as error:  # unknown codec/dtype, or a payload that does not fit its shape
-            self._stats.hits -= 1
-            self._reject(block_hash, f"undecodable payload: {error}")
-            return None
-        self._stats.load_seconds += time.perf_counter() - start
-        return block, encoded
-
-    def get(self, block_hash: BlockHash, device: Device = "cpu") -> torch.Tensor | None:
-        """The decoded, verified block on `device`, or None. Never raises on a bad file."""
-        loaded = self.load(block_hash, device)
-        return None if loaded is None else loaded[0]
 
     def _reject(self, block_hash: BlockHash, reason: str) -> None:
         path = self.path_for(block_hash)

@@ -16,6 +16,7 @@ import torch
 
 from kvpager.core.hashing import RequestId
 from kvpager.core.outputs import PositionLogprobs
+from kvpager.core.request import token_ids_between
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import NewRequestData, SchedulerOutput
 from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_attention_metadata
@@ -46,12 +47,7 @@ class _RowState:
     prompt_logprobs_taken: bool = False
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return token_ids_between(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 class ModelRunner:

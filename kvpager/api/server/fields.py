@@ -9,6 +9,7 @@ naming it, so a client never gets an answer to a question it did not ask.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -21,6 +22,9 @@ from kvpager.api.server.errors import ApiError
 logger = logging.getLogger("kvpager.api.server")
 
 IGNORED_FIELDS_HEADER = "x-kvpager-ignored-fields"
+MAX_REPORTED_FIELDS = 32  # names listed in one response's header
+MAX_LOGGED_FIELDS = 256  # distinct names logged over the server's life
+MAX_FIELD_NAME_CHARS = 64
 
 
 def _truthy(value: Any, _: BaseModel) -> bool:
@@ -83,12 +87,22 @@ class FieldReporter:
     def check(self, req: BaseModel) -> dict[str, str]:
         """Refuse unsupported fields (400); the response headers naming the ignored ones."""
         refuse_unsupported(req)
-        ignored = unknown_fields(req)
+        ignored = [printable_name(name) for name in unknown_fields(req)[:MAX_REPORTED_FIELDS]]
         if not ignored:
             return {}
         with self._lock:
             new = [name for name in ignored if name not in self._logged]
+            # NOTE: bounded: a client inventing field names must not grow the server's memory
+            new = new[: max(0, MAX_LOGGED_FIELDS - len(self._logged))]
             self._logged.update(new)
         if new:
             logger.warning("ignoring request fields the server does not support: %s", ", ".join(new))
         return {IGNORED_FIELDS_HEADER: ",".join(ignored)}
+
+
+def printable_name(name: str) -> str:
+    """A field name as printable ASCII for a header and a log line: non-ASCII characters, lone
+    surrogates, controls (CR/LF could split a header) and commas escaped as JSON escapes them, at
+    most MAX_FIELD_NAME_CHARS long."""
+    escaped = json.dumps(name[:MAX_FIELD_NAME_CHARS], ensure_ascii=True)[1:-1]
+    return escaped.replace(",", "\\u002c")

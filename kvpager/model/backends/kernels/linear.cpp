@@ -25,8 +25,7 @@ constexpr int64_t kRowChunk = 256;
 constexpr int64_t kPrefetchLines = 32;
 // out[0..MR)[0..NV*16) = x[0..MR) . the NV blocks at wb, bs apart (+ bias); x rows K apart, out rows
 // N apart. first: this tile is the panel's first pass (prefetch ahead; the later tiles find the panel
-// in cache). NOTE: also pulling the next panel into L2 during the second tile was measured 2-15 %
-// slower at 8-64 rows than not (column-major layout), and dropped.
+// in cache).
 template <int MR, int NV>
 inline void outer_tile(const float* __restrict x, int64_t K, const float* __restrict wb, int64_t bs,
                        float* __restrict out, int64_t N, const float* __restrict bias, bool first) {
@@ -114,9 +113,7 @@ void outer_linear(const float* x, int64_t M, int64_t K, const float* wb, int64_t
     }
   } else {
     // Compute-bound: panels handed out one at a time, so a thread that loses its core (to the server's
-    // event loop, a client, another tenant) holds back one panel, not a share of the matrix (guided
-    // handed out half the panels first). Measured, 30 streamed SmolLM2 layers: 0.94-1.05x guided
-    // alone, 0.98-1.06x with another process busy 2 ms of every 10.
+    // event loop, a client, another tenant) holds back one panel, not a share of the matrix.
     const int64_t panels = (vectors + NV - 1) / NV;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t p = 0; p < panels; ++p) panel(p * NV, std::min<int64_t>(NV, vectors - p * NV));
