@@ -57,7 +57,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 @pytest.mark.slow
 @schema.parametrize()
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+# NOTE: derandomized so CI is reproducible; explore further by running it with a larger max_examples.
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
 def test_every_operation_answers_as_its_schema_says_and_never_5xx(case: Any) -> None:
     COUNTS["cases"] += 1
     if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
