@@ -1,0 +1,156 @@
+"""Drive several OpenAI-compatible servers side by side under one load generator, phases alternated.
+
+Each `--engine NAME=PORT=COMMAND` is started once (all at the same time, so each sits idle while
+another is driven), waited for until `GET /v1/models` answers, then driven by the load generator
+(the workplace's shared `loadgen.py`, given with `--loadgen`) at every concurrency in turn. Round r
+drives the engines in order for even r and in reverse for odd r (ABBA), every engine of a round
+getting the same seeded prompts; rounds use different seeds so no prefix cache is hit across
+rounds. Every run appends one JSON line to `--json-out`; the summary prints the best output tok/s
+per engine and concurrency and the ratio of the first engine to each other one.
+
+Example (the `1b` model, int4 against llama.cpp's Q4_0; BENCH_DIR is the workplace's shared
+benchmark folder, which also makes the model):
+
+    python scripts/side_by_side.py --loadgen BENCH_DIR/loadgen.py --tokenizer models/llama-1b \\
+        --concurrency 1:4,16:16 --output-len 64 --rounds 2 --json-out side_by_side_1b.jsonl \\
+        --engine "kvpager-int4=8101=kvpager serve --model models/llama-1b --quantization int4 --port 8101" \\
+        --engine "llama-q4_0=8102=llama-server -m llama-1b-q4_0.gguf -t 2 -np 16 -c 16384 -cb --port 8102"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    port: int
+    command: str
+
+
+def parse_engine(text: str) -> Engine:
+    name, port, command = text.split("=", 2)
+    return Engine(name, int(port), command)
+
+
+def parse_concurrency(text: str) -> list[tuple[int, int]]:
+    """`1:4,16:16` → [(C=1, 4 requests), (C=16, 16 requests)]."""
+    pairs = []
+    for item in text.split(","):
+        c, n = item.split(":")
+        pairs.append((int(c), int(n)))
+    return pairs
+
+
+def wait_ready(engine: Engine, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{engine.port}/v1/models"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{engine.name} exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise SystemExit(f"{engine.name} not ready after {timeout:.0f} s")
+
+
+def drive(args: argparse.Namespace, engine: Engine, pid: int, c: int, n: int, seed: int) -> dict:
+    label = f"{engine.name}-c{c}-s{seed}"
+    cmd = [
+        sys.executable, args.loadgen, "--url", f"http://127.0.0.1:{engine.port}",
+        "--tokenizer", args.tokenizer, "-n", str(n), "-c", str(c),
+        "--prompt-len", args.prompt_len, "--output-len", str(args.output_len),
+        "--seed", str(seed), "--server-pid", str(pid), "--label", label,
+        "--json-out", args.json_out,
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    with open(args.json_out) as f:
+        record = json.loads(f.readlines()[-1])
+    record["engine"] = engine.name
+    record["round_seed"] = seed
+    return record
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--loadgen", required=True, help="path of the shared loadgen.py")
+    ap.add_argument("--tokenizer", required=True, help="model directory holding tokenizer.json")
+    ap.add_argument("--engine", action="append", type=parse_engine, required=True)
+    ap.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency("1:4,16:16"))
+    ap.add_argument("--prompt-len", default="128:512")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--json-out", required=True)
+    ap.add_argument("--log-dir", default=".", help="each engine's stdout/stderr goes to NAME.log here")
+    args = ap.parse_args()
+
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for engine in args.engine:
+            log = open(Path(args.log_dir) / f"{engine.name}.log", "wb")  # noqa: SIM115
+            procs[engine.name] = subprocess.Popen(
+                shlex.split(engine.command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        for engine in args.engine:
+            wait_ready(engine, procs[engine.name], args.ready_timeout)
+        results: list[dict] = []
+        for r in range(args.rounds):
+            order = args.engine if r % 2 == 0 else list(reversed(args.engine))
+            for c, n in args.concurrency:
+                seed = args.seed + 1000 * r + c
+                for engine in order:
+                    results.append(drive(args, engine, procs[engine.name].pid, c, n, seed))
+        summarise(args.engine, args.concurrency, results)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def summarise(engines: list[Engine], levels: list[tuple[int, int]], results: list[dict]) -> None:
+    print("\nbest output tok/s (ratio = first engine ÷ this one)")
+    first = engines[0].name
+    for c, _ in levels:
+        best = {}
+        for engine in engines:
+            runs = [x for x in results if x["engine"] == engine.name and x["concurrency"] == c]
+            good = [x for x in runs if x["errors"] == 0 and x["output_tok_s"]]
+            best[engine.name] = max((x for x in good), key=lambda x: x["output_tok_s"], default=None)
+        for name, rec in best.items():
+            if rec is None:
+                print(f"C={c:>3} {name:<20} no error-free run")
+                continue
+            ratio = ""
+            if name != first and best[first] is not None:
+                ratio = f"  {first} ÷ {name} = {best[first]['output_tok_s'] / rec['output_tok_s']:.2f}"
+            print(
+                f"C={c:>3} {name:<20} {rec['output_tok_s']:8.2f} tok/s  TTFT p50 "
+                f"{rec['ttft_s']['p50'] * 1000:7.0f} ms  TPOT p50 {rec['tpot_s']['p50'] * 1000:6.0f} ms  "
+                f"peak RSS {rec['peak_rss_mib'] or 0:7.0f} MiB{ratio}"
+            )
+
+
+if __name__ == "__main__":
+    main()
