@@ -15,11 +15,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-# NOTE: a known, intermittent bug (about one run in three on the merged main of 2026-12-01): a request
-# can stall until its client gives up and one KV block stays owned after the run (greedy outputs stay
-# exact, no 5xx). Suspected in the prefix-load wait (WAITING_FOR_REMOTE_KVS) under aborts with the
-# host tier. Reported as XFAIL/XPASS, never hidden; remove this marker with the fix.
-@pytest.mark.xfail(strict=False, reason="intermittent: a stalled request and 1 owned KV block after the soak")
 def test_short_soak_ends_clean_with_exact_greedy_outputs(llama_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     spec = importlib.util.spec_from_file_location("soak", REPO_ROOT / "scripts" / "soak.py")
     assert spec is not None and spec.loader is not None

@@ -223,6 +223,19 @@ class KVCacheManager:
         load = self._loads[job_id]
         return tuple(load.kept if load.done else load.held + load.block_ids)
 
+    def has_load(self, request_id: RequestId) -> bool:
+        """Whether a load (in flight, or completed and not yet released) holds blocks for `request_id`."""
+        return request_id in self._load_of
+
+    def held_references(self) -> list[int]:
+        """Every block reference the manager holds, one entry per reference: block tables, then loads
+        (cancelled ones too, until the store has finished writing them). With the pool's pins they
+        account for every block's ref count (`kvpager.core.invariants`)."""
+        refs = [block_id for blocks in self._req_to_blocks.values() for block_id in blocks]
+        for load in self._loads.values():
+            refs.extend(load.kept if load.done else load.held + load.block_ids)
+        return refs
+
     def has_pending_loads(self) -> bool:
         return any(not load.done for load in self._loads.values())
 
@@ -230,6 +243,18 @@ class KVCacheManager:
         """Wait (at most `timeout` s) for a load in flight to complete; returns at once without one."""
         if self.store is not None and self.has_pending_loads():
             self.store.wait_for_loads(timeout)
+
+    def release_completed_load(self, request_id: RequestId) -> bool:
+        """Drop the references a *completed* load holds for a request not yet admitted; False when none.
+
+        Its blocks stay in the prefix cache as free blocks (hits again, unless reused first). A load
+        still in flight is left alone: the store is writing its blocks.
+        """
+        job_id = self._load_of.get(request_id)
+        if job_id is None or not self._loads[job_id].done:
+            return False
+        self._drop_load(job_id)
+        return True
 
     def _release_load(self, request_id: RequestId) -> None:
         """Drop the references a load holds for `request_id` (after admission or on free)."""

@@ -17,6 +17,7 @@ back sampled token ids.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -162,7 +163,9 @@ class Scheduler:
         return len(self.loading)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or a load of an aborted request still holding blocks until the
+        store finishes writing them (only a `schedule()` after that frees them: keep stepping)."""
+        return bool(self.requests) or self.kv_manager.has_pending_loads()
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ValueError if it can never fit (context length or pool size)."""
@@ -255,6 +258,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, budget: int, batch: list[ScheduledRequest], new: list[NewRequestData]) -> None:
+        released = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self.kv_manager.get_computed_blocks(request)
@@ -266,6 +270,9 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv_manager.allocate_slots(request, num_new, cached_blocks) is None:
+                if not released and not self.running and self._release_loads_behind_head():
+                    released = True
+                    continue  # NOTE: retry the head once with the blocks those loads held
                 break  # NOTE: first come, first served: no request overtakes the head
             self.waiting.popleft()
             is_new = request.status is RequestStatus.WAITING
@@ -279,6 +286,18 @@ class Scheduler:
                 new.append(NewRequestData(request.request_id, prompt, request.sampling_params, table))
             batch.append(self._scheduled(request, num_new, () if is_new else table))
             budget -= num_new
+
+    def _release_loads_behind_head(self) -> bool:
+        """Release the blocks that completed loads hold for requests behind the head of the queue.
+
+        Called when the head cannot get blocks and nothing runs: nothing else would ever free them,
+        and the head is admitted before those requests anyway. Their blocks stay cached (a later
+        admission hits them, or their prefix loads again). Returns whether any were released.
+        """
+        released = False
+        for request in itertools.islice(self.waiting, 1, None):
+            released |= self.kv_manager.release_completed_load(request.request_id)
+        return released
 
     def _admit(self, request: Request, num_cached: int) -> None:
         if request.status is RequestStatus.WAITING:  # first admission, not a resumed preemption

@@ -178,7 +178,8 @@ class Engine:
         return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.parents)
+        """Requests to serve, or an aborted request's tier load whose blocks a later step frees."""
+        return bool(self.outputs.parents) or self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -186,7 +187,7 @@ class Engine:
 
         With nothing to run while a prefix loads from a KV tier, it waits briefly for the load.
         """
-        if not self._run_step() and self.scheduler.num_loading:
+        if not self._run_step() and self.kv_manager.has_pending_loads():
             self.kv_manager.wait_for_loads(LOAD_WAIT_S)
         now = time.monotonic()
         changed, self._changed = self._changed, {}
