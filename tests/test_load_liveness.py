@@ -42,6 +42,7 @@ class SlowStore:
         self.finished: dict[int, int] = {}
         self.loads_started = 0
         self.loads_failed = 0
+        self.aborted_in_load = 0  # counted by the random driver
 
     def _slots(self, block_id: int) -> range:
         return range(block_id * BLOCK, (block_id + 1) * BLOCK)
@@ -229,6 +230,7 @@ def random_run(seed: int) -> tuple[SlowStore, Scheduler]:
         if sched.requests and rng.random() < 0.12:
             pool = list(sched.loading) if sched.loading and rng.random() < 0.6 else list(sched.requests)
             victim = rng.choice(pool)
+            store.aborted_in_load += victim in sched.loading
             sched.abort_request(victim)
             aborted.add(victim)
         one_step(sched, runner, store)
@@ -242,7 +244,7 @@ def random_run(seed: int) -> tuple[SlowStore, Scheduler]:
 
 
 def test_random_interleavings_of_loads_aborts_and_preemption_end_with_every_request_done_and_no_block_owned() -> None:
-    coverage = {"loads": 0, "failed": 0, "preemptions": 0}
+    coverage = {"loads": 0, "failed": 0, "aborted_in_load": 0, "preemptions": 0}
     for seed in range(24):
         try:
             store, sched = random_run(seed)
@@ -250,6 +252,8 @@ def test_random_interleavings_of_loads_aborts_and_preemption_end_with_every_requ
             raise AssertionError(f"random interleaving, seed {seed}: {exc}") from exc
         coverage["loads"] += store.loads_started
         coverage["failed"] += store.loads_failed
+        coverage["aborted_in_load"] += store.aborted_in_load
         coverage["preemptions"] += sched.num_preemptions
     # the runs must have driven the paths under test
-    assert coverage["loads"] >= 50 and coverage["failed"] >= 5 and coverage["preemptions"] >= 20, coverage
+    assert coverage["loads"] >= 200 and coverage["failed"] >= 50, coverage
+    assert coverage["aborted_in_load"] >= 20 and coverage["preemptions"] >= 20, coverage
