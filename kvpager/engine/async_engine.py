@@ -4,9 +4,8 @@ The `Engine` is not thread-safe, so exactly one thread (the loop thread) ever to
 any asyncio event loop hand it work through an inbox (adds and aborts) guarded by a condition
 variable; the loop thread drains the inbox before each step, runs `engine.step()` while there is
 work and sleeps on the condition otherwise (no busy loop). Outputs go back to per-request
-streams through `loop.call_soon_threadsafe`, so model compute never blocks an event loop.
-A stream holds at most one undelivered output (newer ones merge into it, `merge_outputs`), so a
-reader that never reads costs one output's memory, not one copy per step.
+streams (`kvpager.engine.streams`, each bounded to one undelivered output) through
+`loop.call_soon_threadsafe`, so model compute never blocks an event loop.
 """
 
 from __future__ import annotations
@@ -14,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpager.core.outputs import RequestOutput
 from kvpager.core.sampling_params import SamplingParams
-from kvpager.engine.output_processor import merge_outputs
+from kvpager.engine.streams import RequestStream, resolve_soon
+
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 logger = logging.getLogger("kvpager.engine.async_engine")
 
@@ -57,75 +57,6 @@ class _Call:
     fn: Callable[[Any], Any]
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator; `abort()` (or leaving early) cancels it."""
-
-    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._owner = owner
-        self._loop = loop
-        self._pending: deque[RequestOutput | BaseException] = deque()  # at most one output, then an error
-        self._ready = asyncio.Event()
-        self.added: asyncio.Future[None] = loop.create_future()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                while not self._pending:
-                    self._ready.clear()
-                    await self._ready.wait()
-                item = self._pending.popleft()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            # NOTE: a consumer that stops early (closed generator, cancelled task) aborts at once,
-            # so the request's blocks go back to the pool without waiting for max_tokens.
-            self.abort()
-
-    def abort(self) -> None:
-        """Stop the request if it is still running (idempotent, callable from the event loop)."""
-        if not self.finished:
-            self.finished = True
-            self._owner._abort(self.request_id)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the loop thread: hand an item to the consumer's event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._offer, item)
-        except RuntimeError:  # the consumer's event loop is closed; nobody is listening
-            pass
-
-    def _offer(self, item: RequestOutput | BaseException) -> None:
-        """On the consumer's loop: queue `item`, merged into an output the reader has not taken yet."""
-        last = self._pending[-1] if self._pending else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-            self._pending[-1] = merge_outputs(last, item)
-        else:
-            self._pending.append(item)
-        self._ready.set()
-
-    def _resolve_added(self, error: BaseException | None) -> None:
-        def resolve() -> None:
-            if self.added.done():
-                return
-            if error is None:
-                self.added.set_result(None)
-            else:
-                self.added.set_exception(error)
-
-        try:
-            self._loop.call_soon_threadsafe(resolve)
-        except RuntimeError:
-            pass
 
 
 @dataclass
@@ -217,7 +148,7 @@ class AsyncEngine:
         Raises the engine's `ValueError` for bad input, `QueueFullError` when the waiting queue is
         full and `EngineDeadError` when the loop is not running.
         """
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self._abort)
         with self._cond:
             self._check_accepting(request_id)
             self._streams[request_id] = stream
@@ -354,14 +285,14 @@ class AsyncEngine:
         with self._cond:
             self._inbox.num_pending_adds -= sum(isinstance(c, _Add) for c in commands)
         for stream, error in results:
-            stream._resolve_added(error)
+            stream.resolve_added(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             with self._cond:
                 stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
-                stream._put(out)
+                stream.put(out)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
@@ -370,13 +301,13 @@ class AsyncEngine:
             pending = [c for c in self._inbox.commands if isinstance(c, _Add | _Call)]
             self._inbox = _Inbox()
         for stream in streams:
-            stream._resolve_added(error)
-            stream._put(error)
+            stream.resolve_added(error)
+            stream.put(error)
         for cmd in pending:
             if isinstance(cmd, _Call):
-                _resolve(cmd, None, error)
+                resolve_soon(cmd.loop, cmd.future, None, error)
             else:
-                cmd.stream._resolve_added(error)
+                cmd.stream.resolve_added(error)
 
 
 def _run_call(engine: Any, call: _Call) -> None:
@@ -384,21 +315,6 @@ def _run_call(engine: Any, call: _Call) -> None:
     try:
         result = call.fn(engine)
     except Exception as exc:
-        _resolve(call, None, exc)
+        resolve_soon(call.loop, call.future, None, exc)
         return
-    _resolve(call, result, None)
-
-
-def _resolve(call: _Call, result: Any, error: BaseException | None) -> None:
-    def resolve() -> None:
-        if call.future.done():  # the caller was cancelled
-            return
-        if error is None:
-            call.future.set_result(result)
-        else:
-            call.future.set_exception(error)
-
-    try:
-        call.loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # the caller's event loop is closed
-        pass
+    resolve_soon(call.loop, call.future, result, None)
