@@ -7,8 +7,10 @@ alternating in one process, medians in microseconds:
 - raw: the bare ctypes function.
 
 full - raw and cached - raw are what the argument checks (kvpager/model/backends/kernels/abi.py) add
-per call; small inputs, so the call dominates. Usage:
-  python scripts/bench_kernel_binding.py [--reps 2000] [--isa native|portable]
+per call; small inputs (decode over contexts of 1-4 positions), so the call dominates. Times are
+the CPU time of the calling thread (time.thread_time), so waiting for a core on a shared machine
+does not count. Usage:
+  python scripts/bench_kernel_binding.py [--reps 2000] [--rounds 7] [--isa native|portable]
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class KernelFunction:
     with the same signature only builds the signature, reads the data pointers and checks the
     index values (`kvp_check_range`, `tensor_checks`), which differ from call to call. A call whose
     signature differs in anything (another shape, a strided view, a non-CPU tensor) misses the
-    cache and is checked in full; on a failure `_check_tensor` runs again to say what is wrong."""
+    cache and is checked in full; on a failure `_check_tensor` runs again to say what is wrong.
+    The cached path is a `__call__` generated per kernel (fastcall.py)."""
 
     def __new__(cls, lib: ctypes.CDLL, spec: KernelSpec, cache_size: int = 256) -> KernelFunction:
         # Each kernel gets its own subclass whose __call__ and _signature are generated from its spec.
