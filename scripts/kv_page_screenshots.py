@@ -11,9 +11,7 @@ the desktop one with the mouse over a shared block.
 from __future__ import annotations
 
 import argparse
-import base64
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -21,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import headless_chromium  # scripts/headless_chromium.py (this script's folder is on sys.path)
 import httpx
 import uvicorn
 
@@ -29,16 +28,6 @@ from kvpager.core.config import EngineConfig
 from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
 
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-)
 SYSTEM_PROMPTS = (
     "You are a careful assistant who answers questions about the history of the printing press in Europe. ",
     "You translate short English sentences into plain French, keeping the meaning and the tone of each one. ",
@@ -58,12 +47,7 @@ def client_loop(url: str, stop: threading.Event, seed: int) -> None:
 
 
 def capture(driver: Any, path: Path, width: int, height: int, dark: bool, mobile: bool) -> None:
-    driver.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": height, "deviceScaleFactor": 2 if mobile else 1, "mobile": mobile},
-    )
-    scheme = [{"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]
-    driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": scheme})
+    headless_chromium.emulate(driver, width, height, dark, mobile)
     time.sleep(2.5)  # a few live updates at the new size
     # wait (a while at most) for a moment worth showing: several requests, a prefix shared by two
     busy = "const d = kvView.doc; return d.requests.length >= 3 && d.counts.shared >= 2;"
@@ -72,12 +56,7 @@ def capture(driver: Any, path: Path, width: int, height: int, dark: bool, mobile
         time.sleep(0.2)
     if not mobile:
         hover_shared_block(driver)
-    full = driver.execute_script("return document.documentElement.scrollHeight")
-    clip = {"x": 0, "y": 0, "width": width, "height": full, "scale": 1}
-    shot = driver.execute_cdp_cmd(
-        "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip}
-    )
-    path.write_bytes(base64.b64decode(shot["data"]))
+    path.write_bytes(headless_chromium.full_page_png(driver, width))
     print(f"wrote {path}")
 
 
@@ -106,14 +85,10 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--port", type=int, default=8766)
     args = p.parse_args()
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
-        print(
-            "needs Debian's chromium and chromium-driver: apt-get install -y chromium chromium-driver", file=sys.stderr
-        )
+    browser = headless_chromium.find()
+    if browser is None:
+        print(headless_chromium.MISSING, file=sys.stderr)
         return 2
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
 
     # 160 blocks of 16 tokens (the demo model's block is 64 KiB): a legible grid, and evictions to host RAM.
     config = EngineConfig(kv_cache_memory=160 * (64 << 10), host_kv_cache_memory=32 << 20, max_num_seqs=8, device="cpu")
@@ -130,13 +105,8 @@ def main() -> int:
     clients = [threading.Thread(target=client_loop, args=(url, stop, i), daemon=True) for i in range(args.clients)]
     for thread in clients:
         thread.start()
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in FLAGS:
-        options.add_argument(flag)
     with tempfile.TemporaryDirectory() as profile:
-        options.add_argument(f"--user-data-dir={profile}")
-        driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+        driver = headless_chromium.start(*browser, profile)
         try:
             driver.get(f"{url}/kv?interval=0.5")
             time.sleep(args.warmup)

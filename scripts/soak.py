@@ -217,34 +217,50 @@ async def dropped_stream(client: httpx.AsyncClient, prompt: list[int], rng: rand
     return 200
 
 
+def record_greedy(counts: Counts, status: int, text: str, expected: str) -> None:
+    """Count a greedy answer (only a 200 has one) and whether it differs from the cold reference."""
+    if status == 200:
+        counts.greedy_checked += 1
+        counts.greedy_mismatches += text != expected
+
+
+async def bad_request(client: httpx.AsyncClient, rng: random.Random, counts: Counts) -> int:
+    """One of BAD_BODIES: a 4xx is a refusal, anything below 400 an acceptance (a failure)."""
+    counts.bad_requests += 1
+    path, raw = rng.choice(BAD_BODIES)
+    status = (await client.post(path, content=raw, headers={"content-type": "application/json"})).status_code
+    if 400 <= status < 500:
+        counts.bad_refused_4xx += 1
+    elif status < 400:
+        counts.bad_accepted += 1
+    return status
+
+
+def soak_client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=120)
+
+
 async def client_loop(
     cid: int, url: str, args: argparse.Namespace, prompts: list[list[int]], want: list[str], counts: Counts
 ) -> None:
+    """Until the deadline: a bad request (`--bad-rate`), a dropped sampled stream
+    (`--disconnect-rate`) or a checked greedy request, each status counted."""
     rng = random.Random(args.seed * 1000 + cid)
     deadline = time.monotonic() + args.duration
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    async with soak_client(url) as client:
         while time.monotonic() < deadline:
             counts.requests += 1
             roll = rng.random()
             try:
                 if roll < args.bad_rate:
-                    counts.bad_requests += 1
-                    path, raw = rng.choice(BAD_BODIES)
-                    resp = await client.post(path, content=raw, headers={"content-type": "application/json"})
-                    status = resp.status_code
-                    if 400 <= status < 500:
-                        counts.bad_refused_4xx += 1
-                    elif status < 400:
-                        counts.bad_accepted += 1
+                    status = await bad_request(client, rng, counts)
                 elif roll < args.bad_rate + args.disconnect_rate:
                     prompt = rng.choice(prompts) + [rng.randrange(3, 300)]
                     status = await dropped_stream(client, prompt, rng, counts)
                 else:
                     index = rng.randrange(len(prompts))
                     status, text = await greedy(client, prompts[index], args.max_tokens, rng.random() < 0.5)
-                    if status == 200:
-                        counts.greedy_checked += 1
-                        counts.greedy_mismatches += text != want[index]
+                    record_greedy(counts, status, text, want[index])
                 counts.server_errors_5xx += status >= 500 and status != 503
                 counts.queue_full_503 += status == 503
             except httpx.HTTPError:
@@ -255,13 +271,12 @@ async def warm_up(
     url: str, args: argparse.Namespace, prompts: list[list[int]], want: list[str], counts: Counts
 ) -> None:
     """One greedy request per prompt before the load: the RSS after it is the run's baseline."""
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for prompt, text in zip(prompts, want, strict=True):
-            status, got = await greedy(client, prompt, args.max_tokens, stream=False)
+    async with soak_client(url) as client:
+        for prompt, expected in zip(prompts, want, strict=True):
+            status, text = await greedy(client, prompt, args.max_tokens, stream=False)
             counts.requests += 1
-            counts.greedy_checked += status == 200
-            counts.greedy_mismatches += status == 200 and got != text
-            counts.server_errors_5xx += status >= 500
+            record_greedy(counts, status, text, expected)
+            counts.server_errors_5xx += status >= 500  # before the load even a 503 is an error
 
 
 async def settle(url: str, counts: Counts, timeout: float = 60.0) -> None:

@@ -6,12 +6,32 @@ import hashlib
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import kvpager
 from kvpager.core.hashing import hash_block, hash_prompt_blocks, model_fingerprint, token_bytes
 
-SEED = model_fingerprint("LlamaForCausalLM", "w" * 64, "float32", 4, "t" * 64)
+
+def components(
+    architecture: str = "LlamaForCausalLM",
+    weights: str = "w" * 64,
+    dtype: str = "float32",
+    block_size: int = 4,
+    tokenizer: str = "t" * 64,
+) -> list[tuple[str, str]]:
+    """Fingerprint components of the form the engine uses (kvpager.engine.loading)."""
+    return [
+        ("architecture", architecture),
+        ("weights", weights),
+        ("kv_cache_dtype", dtype),
+        ("block_size", str(block_size)),
+        ("tokenizer", tokenizer),
+    ]
+
+
+SEED = model_fingerprint(components())
 
 
 def test_hash_block_is_sha256_of_parent_tokens_and_extra() -> None:
@@ -45,26 +65,30 @@ def test_same_block_with_different_prefix_hashes_differently() -> None:
 
 
 def test_fingerprint_changes_with_every_field() -> None:
-    base = ("LlamaForCausalLM", "w1", "float32", 16, "tok1")
+    base = components("LlamaForCausalLM", "w1", "float32", 16, "tok1")
     variants = [
-        ("Qwen2ForCausalLM", "w1", "float32", 16, "tok1"),
-        ("LlamaForCausalLM", "w2", "float32", 16, "tok1"),
-        ("LlamaForCausalLM", "w1", "bfloat16", 16, "tok1"),
-        ("LlamaForCausalLM", "w1", "float32", 32, "tok1"),
-        ("LlamaForCausalLM", "w1", "float32", 16, "tok2"),
+        components("Qwen2ForCausalLM", "w1", "float32", 16, "tok1"),
+        components("LlamaForCausalLM", "w2", "float32", 16, "tok1"),
+        components("LlamaForCausalLM", "w1", "bfloat16", 16, "tok1"),
+        components("LlamaForCausalLM", "w1", "float32", 32, "tok1"),
+        components("LlamaForCausalLM", "w1", "float32", 16, "tok2"),
     ]
-    digests = {model_fingerprint(*base)} | {model_fingerprint(*v) for v in variants}
+    digests = {model_fingerprint(base)} | {model_fingerprint(v) for v in variants}
     assert len(digests) == 6
-    assert len(model_fingerprint(*base)) == 32
+    assert len(model_fingerprint(base)) == 32
+    assert model_fingerprint(list(reversed(base))) == model_fingerprint(base)  # order does not matter
+    with pytest.raises(ValueError, match="distinct names"):
+        model_fingerprint([*base, base[0]])
 
 
 def test_hashes_are_identical_in_another_process() -> None:
     code = (
         "from kvpager.core.hashing import hash_prompt_blocks, model_fingerprint;"
-        "s = model_fingerprint('LlamaForCausalLM', 'w' * 64, 'float32', 4, 't' * 64);"
+        f"s = model_fingerprint({components()!r});"
         "print(hash_prompt_blocks(s, list(range(12)), 4)[-1].hex())"
     )
-    env = {"PYTHONHASHSEED": "12345", "PATH": ""}
+    # the tree under test, not whichever kvpager the interpreter would find by itself
+    env = {"PYTHONHASHSEED": "12345", "PATH": "", "PYTHONPATH": str(Path(kvpager.__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == hash_prompt_blocks(SEED, list(range(12)), 4)[-1].hex()
 

@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from kvpager.model.backends.kernels import abi
-from kvpager.model.backends.kernels.binding import Float, Int, KernelArgumentError, KernelSpec, Tensor, c_header
+from kvpager.model.backends.kernels.binding import (
+    Float,
+    Int,
+    KernelArgumentError,
+    KernelFunction,
+    KernelSpec,
+    Tensor,
+    c_header,
+)
 from kvpager.model.backends.kernels.build import ISAS, expected_isa, load_cpu_kernels, requested_isa
 from kvpager.model.backends.ops import CpuKernelOps
 
@@ -54,14 +62,22 @@ def test_a_checked_call_computes_what_torch_does(kernels: Any) -> None:
     ],
     ids=["dtype", "shape", "bias_shape", "out_shape", "strided", "device", "not_a_tensor", "missing", "a_size"],
 )
-def test_a_wrong_argument_raises_and_writes_nothing(kernels: Any, change: dict[str, Any], message: str) -> None:
+@pytest.mark.parametrize("primed", [False, True], ids=["first_call", "after_a_cached_good_call"])
+def test_a_wrong_argument_raises_and_writes_nothing(
+    kernels: Any, change: dict[str, Any], message: str, primed: bool
+) -> None:
+    # a KernelFunction of its own: its cache of checked signatures starts empty
+    linear = KernelFunction(kernels.lib, next(s for s in abi.SPECS if s.name == "kvp_linear_small"))
+    if primed:
+        linear(**_linear_args())
     args: dict[str, Any] = {**_linear_args(), **change}
     out = args["out"]
     before = out.clone() if out.device.type == "cpu" else None
     with pytest.raises(KernelArgumentError, match=r"^kvp_linear_small: " + message):
-        kernels.fn("kvp_linear_small")(**args)
+        linear(**args)
     if before is not None:
         assert torch.equal(out, before)
+    assert linear.cached_signatures() == int(primed)  # a refused call caches nothing
 
 
 def test_swapped_arguments_raise(kernels: Any) -> None:

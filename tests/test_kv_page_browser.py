@@ -10,12 +10,14 @@ Set KVPAGER_KV_SCREENSHOTS=DIR to keep the desktop and phone screenshots (docs/i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,22 +30,13 @@ from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
 
 pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 KEY = "sk-page-test"
 NUM_BLOCKS = 48
 SHARED = list(range(10, 26))  # four full blocks
 PINNED = list(range(200, 208))  # two full blocks, loaded as a KV pack
 DONE = list(range(300, 320))  # a finished request: its full blocks stay cached
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-)
 STATES = ("free", "cached", "owned", "shared", "pinned")
 
 
@@ -85,18 +78,28 @@ def pool_states(engine: Engine) -> list[str]:
     return states
 
 
+def _load_headless_chromium() -> ModuleType:
+    """scripts/headless_chromium.py, shared with scripts/kv_page_screenshots.py."""
+    spec = importlib.util.spec_from_file_location("headless_chromium", REPO_ROOT / "scripts" / "headless_chromium.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+chromium = _load_headless_chromium()
+
+
 def find_browser() -> tuple[str, str]:
     try:
         import selenium  # noqa: F401
     except ImportError:
         pytest.skip("selenium is not installed (pip install -e '.[test]')")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        reason = "Debian's chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)"
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
-    return chromium, driver
+    found = chromium.find()
+    if found is None:
+        print(f"SKIP: {chromium.MISSING}")
+        pytest.skip(chromium.MISSING)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -123,17 +126,8 @@ def frozen(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    chromium, driver_path = find_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.add_argument("--window-size=1280,1100")
-    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    driver = chromium.start(*find_browser(), profile, "--window-size=1280,1100")
     try:
         yield driver
     finally:
@@ -176,27 +170,11 @@ def drawn_states(browser: Any) -> dict[int, str]:
 
 
 def screenshot(browser: Any, path: Path, width: int, height: int, dark: bool, mobile: bool) -> None:
-    browser.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": height, "deviceScaleFactor": 2 if mobile else 1, "mobile": mobile},
-    )
-    scheme = [{"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]
-    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": scheme})
+    chromium.emulate(browser, width, height, dark, mobile)
     updates = browser.execute_script("return kvView.updates")
     wait_for(lambda: browser.execute_script("return kvView.updates") > updates + 1, "a re-render at the new size")
     time.sleep(0.3)
-    height = browser.execute_script("return document.documentElement.scrollHeight")
-    shot = browser.execute_cdp_cmd(
-        "Page.captureScreenshot",
-        {
-            "format": "png",
-            "captureBeyondViewport": True,
-            "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
-        },
-    )
-    import base64
-
-    path.write_bytes(base64.b64decode(shot["data"]))
+    path.write_bytes(chromium.full_page_png(browser, width))
     out_dir = os.environ.get("KVPAGER_KV_SCREENSHOTS")
     if out_dir:
         shutil.copy(path, Path(out_dir) / path.name)

@@ -42,7 +42,13 @@ TOKEN_IDS = tuple(range(100, 114))  # 14 tokens: 3 full blocks of 4 and a partia
 
 def fingerprint(facts: PackModel = FACTS) -> bytes:
     return model_fingerprint(
-        facts.architecture, facts.weights_digest, facts.dtype, facts.block_size, facts.tokenizer_digest
+        [
+            ("architecture", facts.architecture),
+            ("weights", facts.weights_digest),
+            ("kv_cache_dtype", facts.dtype),
+            ("block_size", str(facts.block_size)),
+            ("tokenizer", facts.tokenizer_digest),
+        ]
     )
 
 

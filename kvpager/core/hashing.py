@@ -22,26 +22,20 @@ HASH_SCHEME = "kvpager-block-hash-v1"
 MAX_TOKEN_ID = 2**32 - 1
 
 
-def model_fingerprint(
-    architecture: str, weights_digest: str, dtype: str, block_size: int, tokenizer_digest: str
-) -> bytes:
-    """The root of every hash chain: a sha256 digest of what makes KV bytes interchangeable.
+FingerprintComponent = tuple[str, str]  # (name, value): one thing the KV contents depend on
 
-    `dtype` is the KV cache dtype; `weights_digest` and `tokenizer_digest` are any stable strings
-    naming the exact checkpoint and tokenizer (e.g. sha256 hex of the files).
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    fields = {
-        "scheme": HASH_SCHEME,
-        "architecture": architecture,
-        "weights_digest": weights_digest,
-        "dtype": dtype,
-        "block_size": block_size,
-        "tokenizer_digest": tokenizer_digest,
-    }
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    return hashlib.sha256(canonical).digest()
+
+def model_fingerprint(components: Sequence[FingerprintComponent]) -> bytes:
+    """The root of every block-hash chain: sha256 over the named components (order does not matter;
+    each name at most once). Blocks, packs and disk records match only under the same fingerprint.
+
+    The engine's components are kvpager.engine.loading.base_fingerprint_components (architecture,
+    config, weights, dtypes, block size, tokenizer; a loader may append its own)."""
+    names = [name for name, _ in components]
+    if len(set(names)) != len(names):
+        raise ValueError(f"fingerprint components must have distinct names, got {names}")
+    fields = {"scheme": HASH_SCHEME, "components": {name: str(value) for name, value in components}}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")).digest()
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

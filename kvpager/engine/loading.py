@@ -6,14 +6,13 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
-from kvpager.core.hashing import HASH_SCHEME
+from kvpager.core.hashing import FingerprintComponent, model_fingerprint
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
@@ -47,8 +46,6 @@ CONFIG_KEYS_NOT_FINGERPRINTED = frozenset(
         "return_dict",
     }
 )
-
-FingerprintComponent = tuple[str, str]  # (name, value): one thing the KV contents depend on
 
 
 @dataclass(frozen=True)
@@ -241,16 +238,6 @@ def base_fingerprint_components(
         ("block_size", str(config.block_size)),
         ("tokenizer", tokenizer_digest),
     ]
-
-
-def model_fingerprint(components: Sequence[FingerprintComponent]) -> bytes:
-    """The root of every block-hash chain: sha256 over the named components (order does not matter;
-    each name at most once). Blocks, packs and disk records match only under the same fingerprint."""
-    names = [name for name, _ in components]
-    if len(set(names)) != len(names):
-        raise ValueError(f"fingerprint components must have distinct names, got {names}")
-    fields = {"scheme": HASH_SCHEME, "components": {name: str(value) for name, value in components}}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")).digest()
 
 
 def config_digest(model_dir: Path) -> str:

@@ -6,11 +6,13 @@ optionally the range its values must lie in) or a scalar (`Int`, `Float`). From 
 
 - `c_header` writes the `extern "C"` prototypes the C++ sources include (build.py generates it at
   build time), so the compiler rejects a definition whose parameter types differ from it;
-- `KernelFunction` gives ctypes the argument types, and on every call checks each keyword argument
-  (a tensor's dtype, device, rank, shape against the symbols other tensors bind, contiguity or row
-  stride, index values) and derives the sizes and strides the C function takes from the tensors
+- `KernelFunction` gives ctypes the argument types, and checks each keyword argument (a tensor's
+  dtype, device, rank, shape against the symbols other tensors bind, contiguity or row stride,
+  index values) and derives the sizes and strides the C function takes from the tensors
   themselves. A wrong, missing, unknown or swapped argument raises `KernelArgumentError` before the
-  C function runs, instead of letting it read or write memory it does not own.
+  C function runs, instead of letting it read or write memory it does not own. The structural
+  checks run in full once per call signature (types, dtypes, devices, shapes, strides, int values)
+  and their result is cached under it; index values are checked on every call.
 
 What is not checked: the addresses inside kvp_decode_layers' layer table (built by
 kvpager.model.backends.ops from checked tensors).
@@ -19,11 +21,14 @@ kvpager.model.backends.ops from checked tensors).
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvpager.model.backends.kernels.fastcall import Bounds, CallLayout, Entry, Kind, fast_methods
 
 # A dimension: a fixed size or a symbol bound by the first tensor that has it.
 Dim = int | str
@@ -110,6 +115,24 @@ def _ctypes_arg(p: Param) -> Any:
     return ctypes.c_int64 if isinstance(p, Int) else ctypes.c_float
 
 
+def _layout(spec: KernelSpec) -> CallLayout:
+    return CallLayout(
+        spec.name,
+        tuple((name, _kind(p)) for name, p in spec.params),
+        frozenset(name for name, p in spec.params if isinstance(p, Tensor) and p.optional),
+        tuple(name for name, p in spec.params if isinstance(p, Tensor) and p.values is not None),
+        bool(spec.tensor_checks),
+    )
+
+
+def _kind(p: Param) -> Kind:
+    if isinstance(p, Tensor):
+        return "tensor"
+    if isinstance(p, Float):
+        return "float"
+    return "int" if p.derive is None else "derived"
+
+
 def _contiguous_after_first(t: torch.Tensor) -> int:
     """The element count of one row (dims 1..) when those dims are contiguous, else -1."""
     expected = 1
@@ -123,10 +146,22 @@ def _contiguous_after_first(t: torch.Tensor) -> int:
 class KernelFunction:
     """One kernel of the loaded library, called with keyword arguments checked against its spec.
 
-    The checks run as a flat loop over precomputed tuples (a few microseconds per call); on a
-    failure `_check_tensor` runs again to say what is wrong."""
+    The first call with a given signature (each tensor's type, dtype, device, shape and strides,
+    each int's value, each float's type) runs every check (`checked`); when they pass, what they
+    derived (sizes, strides, the index bounds) is cached under that signature, so a later call
+    with the same signature only builds the signature, reads the data pointers and checks the
+    index values (`kvp_check_range`, `tensor_checks`), which differ from call to call. A call whose
+    signature differs in anything (another shape, a strided view, a non-CPU tensor) misses the
+    cache and is checked in full; on a failure `_check_tensor` runs again to say what is wrong.
+    The cached path is a `__call__` generated per kernel (fastcall.py)."""
 
-    def __init__(self, lib: ctypes.CDLL, spec: KernelSpec) -> None:
+    def __new__(cls, lib: ctypes.CDLL, spec: KernelSpec, cache_size: int = 256) -> KernelFunction:
+        # Each kernel gets its own subclass whose __call__ and _signature are generated from its spec.
+        if cls is KernelFunction:
+            cls = type(f"KernelFunction[{spec.name}]", (KernelFunction,), fast_methods(_layout(spec)))
+        return super().__new__(cls)
+
+    def __init__(self, lib: ctypes.CDLL, spec: KernelSpec, cache_size: int = 256) -> None:
         self.spec = spec
         self._fn = getattr(lib, spec.name)
         self._fn.argtypes = [_ctypes_arg(p) for _, p in spec.params]
@@ -160,11 +195,26 @@ class KernelFunction:
         self._derived = [(name, p.derive) for name, p in spec.params if isinstance(p, Int) and p.derive is not None]
         self._order = [name for name, _ in spec.params]
         self._names = frozenset(name for name, p in spec.params if not (isinstance(p, Int) and p.derive is not None))
+        self._ints = [name for name, p in spec.params if isinstance(p, Int)]
+        self._cache: dict[tuple[Any, ...], Entry] = {}
+        self._last: tuple[tuple[Any, ...] | None, Entry | None] = (None, None)  # see fastcall.py
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
 
     def _fail(self, message: str) -> KernelArgumentError:
         return KernelArgumentError(f"{self.spec.name}: {message}")
 
-    def __call__(self, **kwargs: Any) -> int | None:
+    def __call__(self, **kwargs: Any) -> int | None:  # replaced by the generated method
+        return self._checked(kwargs)
+
+    def _signature(self, **kwargs: Any) -> tuple[Any, ...]:  # replaced by the generated method
+        raise TypeError("no signature")
+
+    def checked(self, **kwargs: Any) -> int | None:
+        """Call with every check run in full, the cache neither read nor filled."""
+        return self._checked(kwargs, cache=False)
+
+    def _checked(self, kwargs: Mapping[str, Any], cache: bool = True) -> int | None:
         if not kwargs.keys() <= self._names:
             unknown = sorted(kwargs.keys() - self._names)
             raise self._fail(f"unexpected argument(s) {unknown} (sizes and strides come from the tensors)")
@@ -183,12 +233,12 @@ class KernelFunction:
             shape = t.shape
             ok = len(shape) == ndim
             if ok:
-                for i, key, fixed in dims:
+                for i, key_, fixed in dims:
                     size = shape[i]
-                    if key is None:
+                    if key_ is None:
                         ok = ok and size == fixed
                     else:
-                        bound = sym.setdefault(key, size)
+                        bound = sym.setdefault(key_, size)
                         ok = ok and bound == size
             if ok and row_stride is None:
                 ok = t.is_contiguous()
@@ -199,7 +249,9 @@ class KernelFunction:
                         ok = False
                     expected *= shape[d]
                 ok = ok and (shape[0] <= 1 or strides[0] >= expected)
-                sym[row_stride] = strides[0]
+                # A contiguous tensor's row stride is its row size (its signature says only that it
+                # is contiguous; with one row, strides[0] may be anything and is never used).
+                sym[row_stride] = expected if t.is_contiguous() else strides[0]
             if dtype_as is not None:
                 ok = ok and dtypes.setdefault(dtype_as, t.dtype) == t.dtype
                 sym[dtype_as] = t.element_size()
@@ -220,14 +272,41 @@ class KernelFunction:
         for message, holds in self.spec.checks:
             if not holds(sym):
                 raise self._fail(f"{message} (sizes {sym})")
-        for name, bounds in self._bounded:
-            if values[name] is not None:
-                self._check_values(name, bounds, kwargs[name], sym)
+        bounds: list[tuple[int, int, int] | None] = []
+        for name, (lo_of, hi_of) in self._bounded:
+            t = kwargs[name]
+            if t is None:
+                bounds.append(None)
+                continue
+            bounds.append(limits := (t.numel(), lo_of(sym), hi_of(sym)))
+            if self._range(values[name], *limits):
+                self._raise_out_of_range(name, limits, t)
+        self._check_tensor_values(kwargs, sym)
+        if cache:
+            self._remember(kwargs, Entry.of((values[name] for name in self._ints), bounds, sym))
+        result = self._fn(*[values[name] for name in self._order])
+        return int(result) if result is not None else None
+
+    def _remember(self, kwargs: Mapping[str, Any], entry: Entry) -> None:
+        """Cache `entry` under the signature of `kwargs` (which passed the full checks); the oldest
+        signature goes first once the cache is full."""
+        try:
+            key = self._signature(**kwargs)
+        except (KeyError, AttributeError, TypeError, RuntimeError):
+            return
+        with self._lock:
+            while len(self._cache) >= self._cache_size:
+                del self._cache[next(iter(self._cache))]
+            self._cache[key] = entry
+
+    def _check_tensor_values(self, kwargs: Mapping[str, Any], sym: Mapping[str, int]) -> None:
         for message, holds_for in self.spec.tensor_checks:
             if not holds_for(kwargs, sym):
                 raise self._fail(message)
-        result = self._fn(*[values[name] for name in self._order])
-        return int(result) if result is not None else None
+
+    def cached_signatures(self) -> int:
+        """How many call signatures have passed the full checks and are cached."""
+        return len(self._cache)
 
     def _explain(self, failed: str, kwargs: Mapping[str, Any]) -> None:
         """Raise the reason tensor `failed` does not match its declaration: the tensors before it
@@ -271,8 +350,7 @@ class KernelFunction:
             raise self._fail(f"{name} must have contiguous rows, got shape {list(t.shape)}, strides {t.stride()}")
         sym[p.row_stride] = stride
 
-    def _check_values(self, name: str, bounds: tuple[Expr, Expr], t: torch.Tensor, sym: Mapping[str, int]) -> None:
-        lo, hi = bounds[0](sym), bounds[1](sym)
-        if self._range(t.data_ptr(), t.numel(), lo, hi):
-            low, high = torch.aminmax(t)
-            raise self._fail(f"{name} values must lie in [{lo}, {hi}), got [{int(low)}, {int(high)}]")
+    def _raise_out_of_range(self, name: str, bounds: Bounds | tuple[int, int, int], t: torch.Tensor) -> None:
+        lo, hi = (b if isinstance(b, int) else b.value for b in bounds[1:])
+        low, high = torch.aminmax(t)
+        raise self._fail(f"{name} values must lie in [{lo}, {hi}), got [{int(low)}, {int(high)}]")
