@@ -36,8 +36,8 @@ def pair(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--prefill-api-key", KEY, "--prefill-timeout", "10",
     )  # fmt: skip
     try:
-        prefill.wait_healthy()
-        decode.wait_healthy()
+        prefill.wait_healthy(timeout=300)  # NOTE: two servers start at once on a busy machine
+        decode.wait_healthy(timeout=300)
         yield {"store": store, "prefill": prefill, "decode": decode}
     finally:
         for proc in (prefill, decode):
