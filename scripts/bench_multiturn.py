@@ -1,24 +1,35 @@
-"""Multi-turn chat on two replicas: KV-aware routing + shared KV store versus round-robin.
+"""Multi-turn chat on replicas: one replica, N with the KV-aware router, N with round-robin or
+power-of-two routing, and N with the KV-aware router plus a shared KV store, side by side.
 
 Workload (seeded): C conversations of T turns each; every conversation opens with the same system
 prompt, and each turn appends a user message to the whole history (previous prompts and answers).
 Conversations run concurrently; the turns of one conversation run in order.
 
-For each setting the script reports, side by side:
+For each setting the script reports:
 - prefill tokens: prompt tokens the replicas computed (prompt - cached), summed over all requests;
-- TTFT p50 / p90 (arrival to first token, as the engine measures it).
+- prefix hit rate: cached / prompt tokens, overall and per turn;
+- TTFT p50 / p90 (arrival to first token, as the engine measures it), overall and per turn.
+
+Settings (`--settings`, comma-separated; all by default):
+- `single`: one replica;
+- `kv-aware`: N replicas routed by exact prefix-cache state (`kvpager.api.replicas.policy.rank`
+  over each engine's KV-event view, the rule of the Ray Serve `KVAwareRequestRouter`);
+- `round-robin`, `power-of-two`: N replicas, routed by turn or by the shorter queue of two replicas
+  picked at random (Ray Serve's default router);
+- `kv-aware+store`: `kv-aware` with a shared Redis/Valkey store (`--kv-cache-remote URL`, or a
+  `redis-server`/`valkey-server` started here on a free port; a given URL should hold no blocks of
+  this model from an earlier run, or they count as hits).
 
 Backends:
-- `local` (default): N engines in this process, routed here with the same policy as the Ray Serve
-  router (`kvpager.api.replicas.policy.rank` over each engine's KV-event view) — what the routing
-  and the shared store save, without Ray's own overhead. `kv-aware` uses a Redis/Valkey store
-  (`--kv-cache-remote URL`, or a `redis-server`/`valkey-server` started here on a free port).
-- `http`: two running endpoints (`--url-kv-aware`, `--url-baseline`, e.g. `kvpager serve --replicas 2
-  --kv-cache-remote URL` and `kvpager serve --replicas 2 --replica-router power-of-two`); the same
-  workload is sent to each.
+- `local` (default): the engines run in this process — what routing and the store save, without
+  Ray's own overhead;
+- `http`: running endpoints, `--url NAME=URL` (repeatable), e.g. `kvpager serve --replicas 2
+  --kv-cache-remote URL` and `kvpager serve --replicas 2 --replica-router power-of-two`; the same
+  workload goes to each.
 
     python scripts/bench_multiturn.py --conversations 32 --turns 6
-    python scripts/bench_multiturn.py --conversations 2 --turns 2 --system-tokens 32   # smoke run
+    python scripts/bench_multiturn.py --conversations 2 --turns 2 --system-tokens 32 --user-tokens 8 \
+        --max-tokens 2 --kv-cache-memory 4MiB    # smoke run on the bundled demo model
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,22 +59,79 @@ from kvpager.core.hashing import hash_prompt_blocks  # noqa: E402
 from kvpager.core.kv_events import KVEventLog  # noqa: E402
 from kvpager.core.sampling_params import SamplingParams  # noqa: E402
 
+SETTINGS = ("single", "kv-aware", "round-robin", "power-of-two", "kv-aware+store")
+
+
+def _p50_p90(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    p50 = statistics.median(values)
+    return p50, (statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else p50)
+
+
+@dataclass
+class Turn:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+
 
 @dataclass
 class Result:
     name: str
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
+    turns: dict[int, Turn] = field(default_factory=lambda: defaultdict(Turn))
     wall_s: float = 0.0
 
-    def row(self) -> str:
-        p50 = statistics.median(self.ttfts) if self.ttfts else float("nan")
-        p90 = statistics.quantiles(self.ttfts, n=10)[-1] if len(self.ttfts) >= 2 else p50
-        return (
-            f"{self.name:<22} prefill tokens {self.prefill_tokens:>8} / {self.prompt_tokens:<8} "
+    def add(self, turn: int, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
+        entry = self.turns[turn]
+        entry.prompt_tokens += prompt_tokens
+        entry.cached_tokens += cached_tokens
+        entry.ttfts.append(ttft)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(t.prompt_tokens for t in self.turns.values())
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(t.prompt_tokens - t.cached_tokens for t in self.turns.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        turns = []
+        for index in sorted(self.turns):
+            turn = self.turns[index]
+            t50, t90 = _p50_p90(turn.ttfts)
+            rate = turn.cached_tokens / turn.prompt_tokens if turn.prompt_tokens else 0.0
+            turns.append({"turn": index + 1, "prompt_tokens": turn.prompt_tokens, "hit_rate": rate})
+            turns[-1] |= {"ttft_p50_s": t50, "ttft_p90_s": t90}
+        hit = 1 - self.prefill_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        p50, p90 = _p50_p90([x for t in self.turns.values() for x in t.ttfts])
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "hit_rate": hit,
+            "ttft_p50_s": p50,
+            "ttft_p90_s": p90,
+            "wall_s": self.wall_s,
+            "turns": turns,
+        }
+
+    def rows(self) -> list[str]:
+        ttfts = [x for t in self.turns.values() for x in t.ttfts]
+        p50, p90 = _p50_p90(ttfts)
+        hit = 1 - self.prefill_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        lines = [
+            f"{self.name:<16} prefill tokens {self.prefill_tokens:>8} / {self.prompt_tokens:<8} hit {hit:6.1%}  "
             f"TTFT p50 {p50 * 1e3:8.1f} ms  p90 {p90 * 1e3:8.1f} ms  wall {self.wall_s:6.1f} s"
-        )
+        ]
+        for index in sorted(self.turns):
+            turn = self.turns[index]
+            t50, t90 = _p50_p90(turn.ttfts)
+            rate = turn.cached_tokens / turn.prompt_tokens if turn.prompt_tokens else 0.0
+            lines.append(
+                f"  turn {index + 1:<3} hit {rate:6.1%}  TTFT p50 {t50 * 1e3:8.1f} ms  p90 {t90 * 1e3:8.1f} ms"
+            )
+        return lines
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
@@ -77,13 +146,13 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list
 
 
 class LocalReplicas:
-    """N engines in this process; `route` picks one per request (kv-aware or round-robin)."""
+    """N engines in this process; `route` picks one per request with the setting's router."""
 
-    def __init__(self, config: EngineConfig, num: int, kv_aware: bool) -> None:
+    def __init__(self, config: EngineConfig, num: int, router: str, seed: int = 0) -> None:
         from kvpager.engine.async_engine import AsyncEngine
         from kvpager.engine.engine import Engine
 
-        self.kv_aware = kv_aware
+        self.router = router
         self.engines: list[Any] = []
         self.logs: list[KVEventLog] = []
         for _ in range(num):
@@ -96,20 +165,26 @@ class LocalReplicas:
         self.block_size = config.block_size
         self._routed = [0] * num
         self._round_robin = itertools.cycle(range(num))
+        self._rng = random.Random(seed)
         for engine in self.engines:
             engine.start()
 
+    def _queue(self, index: int) -> int:
+        stats = self.engines[index].stats()
+        return int(stats.num_running + stats.num_waiting)
+
     def route(self, prompt: list[int]) -> int:
-        if not self.kv_aware:
+        num = len(self.engines)
+        if self.router == "round-robin":
             return next(self._round_robin)
+        if self.router == "power-of-two":
+            pair = self._rng.sample(range(num), min(2, num))
+            return min(pair, key=self._queue)
         chain = hex_chain(hash_prompt_blocks(self.fingerprint, prompt, self.block_size))
         views = []
-        for i, (engine, log) in enumerate(zip(self.engines, self.logs, strict=True)):
+        for i, log in enumerate(self.logs):
             held = {h[:8].hex() for h in log.held.copy()}  # NOTE: set.copy is atomic; the engine thread adds
-            stats = engine.stats()
-            views.append(
-                ReplicaView(str(i), matched(chain, held), stats.num_running + stats.num_waiting, self._routed[i])
-            )
+            views.append(ReplicaView(str(i), matched(chain, held), self._queue(i), self._routed[i]))
         choice = int(rank(views)[0].replica)
         self._routed[choice] += 1
         return choice
@@ -135,9 +210,7 @@ async def conversation(
     for turn, user in enumerate(users):
         prompt = history + user
         answer, cached, ttft = await run(prompt, params, f"c{index}-t{turn}")
-        result.prompt_tokens += len(prompt)
-        result.prefill_tokens += len(prompt) - cached
-        result.ttfts.append(ttft)
+        result.add(turn, len(prompt), cached, ttft)
         history = prompt + answer
 
 
@@ -188,29 +261,47 @@ def start_store() -> tuple[str, subprocess.Popen[bytes] | None]:
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     args += ["--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru", "--dir", workdir]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return f"redis://127.0.0.1:{port}", proc
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return f"redis://127.0.0.1:{port}", proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit(f"the store server {binary} did not start on port {port}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["local", "http"], default="local")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"local backend: any of {', '.join(SETTINGS)}")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="N, for every setting but `single`")
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled demo model)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="64MiB", help="per replica")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
-    p.add_argument("--kv-cache-remote", default=None, help="store for kv-aware (default: start one here)")
-    p.add_argument("--url-kv-aware", default=None)
-    p.add_argument("--url-baseline", default=None)
+    p.add_argument("--kv-cache-remote", default=None, help="store for kv-aware+store (default: start one here)")
+    p.add_argument("--url", action="append", default=[], metavar="NAME=URL", help="http backend: an endpoint")
+    p.add_argument("--url-kv-aware", default=None, help="http backend: same as --url kv-aware=URL")
+    p.add_argument("--url-baseline", default=None, help="http backend: same as --url baseline=URL")
     p.add_argument("--served-model-name", default="demo")
+    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
+    settings = [name.strip() for name in args.settings.split(",") if name.strip()]
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        p.error(f"unknown --settings {', '.join(unknown)}; pick from {', '.join(SETTINGS)}")
+    if args.replicas < 1 or args.conversations < 1 or args.turns < 1:
+        p.error("--replicas, --conversations and --turns must be >= 1")
 
     from kvpager.engine.args import parse_bytes
 
@@ -225,19 +316,24 @@ def main(argv: list[str] | None = None) -> int:
     store = None
     try:
         if args.backend == "http":
-            if not (args.url_kv_aware and args.url_baseline):
-                p.error("--backend http needs --url-kv-aware and --url-baseline")
+            urls = [tuple(u.split("=", 1)) for u in args.url if "=" in u]
+            urls += [(n, u) for n, u in (("kv-aware", args.url_kv_aware), ("baseline", args.url_baseline)) if u]
+            if not urls:
+                p.error("--backend http needs at least one --url NAME=URL")
             system, users = workload(args, vocab=4096)
-            for name, url in (("kv-aware", args.url_kv_aware), ("baseline", args.url_baseline)):
+            for name, url in urls:
                 runner = http_runner(url, args.served_model_name)
                 results.append(asyncio.run(run_setting(name, runner, system, users, args.max_tokens)))
         else:
-            url = args.kv_cache_remote
-            if url is None:
-                url, store = start_store()
-            settings = (("kv-aware + store", True, {"kv_cache_remote": url}), ("round-robin", False, {}))
-            for name, kv_aware, extra in settings:
-                replicas = LocalReplicas(EngineConfig(**base, **extra), args.replicas, kv_aware)
+            for name in settings:
+                extra: dict[str, Any] = {}
+                if name == "kv-aware+store":
+                    if args.kv_cache_remote is None and store is None:
+                        args.kv_cache_remote, store = start_store()
+                    extra["kv_cache_remote"] = args.kv_cache_remote
+                router = {"single": "kv-aware", "kv-aware+store": "kv-aware"}.get(name, name)
+                num = 1 if name == "single" else args.replicas
+                replicas = LocalReplicas(EngineConfig(**base, **extra), num, router, args.seed)
                 system, users = workload(args, vocab=replicas.engines[0].engine.model_spec.vocab_size)
                 try:
                     results.append(asyncio.run(run_setting(name, replicas.run, system, users, args.max_tokens)))
@@ -252,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.replicas} replicas ({args.backend})"
     )
     for result in results:
-        print(result.row())
-    if len(results) == 2 and results[0].prefill_tokens:
-        print(f"prefill tokens: round-robin / kv-aware = {results[1].prefill_tokens / results[0].prefill_tokens:.2f}x")
+        print("\n".join(result.rows()))
+    if args.json_out:
+        report = {"replicas": args.replicas, "results": {r.name: r.as_dict() for r in results}}
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -71,3 +71,57 @@ class StoreServer:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class DelayProxy:
+    """A TCP proxy in front of a store that holds every reply `delay_s` before passing it on (a slow store)."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        import threading
+
+        self.delay_s = delay_s
+        self.target_port = target_port
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self._closed = False
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if delay_s:
+                    time.sleep(delay_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()

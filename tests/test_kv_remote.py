@@ -63,6 +63,8 @@ def test_second_engine_serves_the_first_engines_prefix_from_the_store(
     assert reference["b"] == hf_greedy(llama_checkpoint, PROMPTS["b"], NUM_NEW)
     first = remote_engine(llama_checkpoint, store.url)
     assert run_greedy(first, PROMPTS["a"], NUM_NEW) == (reference["a"], 0)
+    assert first.kv_publisher is not None
+    first.kv_publisher.drain()  # NOTE: the publisher writes from its own thread
     first_stats = first.kv_tier_stats().remote
     assert first_stats is not None and first_stats.published >= 10, "computed blocks are written after the step"
 
@@ -85,6 +87,8 @@ def test_bad_records_in_the_store_are_deleted_and_never_loaded(
     writer = remote_engine(llama_checkpoint, store.url)
     for prompt in OTHERS[:3]:
         run_greedy(writer, prompt, NUM_NEW)
+    assert writer.kv_publisher is not None
+    writer.kv_publisher.drain()
     remote = writer.kv_store.tiers.remote if writer.kv_store is not None else None
     assert remote is not None
     client = store.client()
@@ -165,6 +169,8 @@ def test_the_store_comes_back_after_the_retry_interval(llama_checkpoint: Path, r
     try:
         time.sleep(0.3)
         assert run_greedy(engine, OTHERS[1], NUM_NEW) == (reference["o1"], 0)
+        assert engine.kv_publisher is not None
+        engine.kv_publisher.drain()
         assert remote.stats.published >= 4 and server.client().dbsize() >= 4
     finally:
         server.stop()

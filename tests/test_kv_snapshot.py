@@ -48,6 +48,9 @@ class DictStore:
             num_loaded += 1
         self.finished[job_id] = num_loaded
 
+    def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
+        return False  # NOTE: an in-memory store answers `contains` at once
+
     def finished_loads(self) -> dict[int, int]:
         finished, self.finished = self.finished, {}
         return finished

@@ -109,6 +109,8 @@ def test_ingress_hashes_prompts_like_the_engine(llama_checkpoint: Path) -> None:
     assert from_text == hex_chain(hash_prompt_blocks(seed, ingress.tokenizer.encode(text), 4))
     assert ingress.chain_for("/v1/completions", b"not json", seed, 4) == []
     assert ingress.chain_for("/v1/models", b"", seed, 4) == []
+    export = json.dumps({"prompt_token_ids": ids}).encode()  # a decode server's KV fetch from a prefill pool
+    assert ingress.chain_for("/v1/kv/export", export, seed, 4) == expected
 
 
 def test_metrics_pages_merge_with_a_replica_label() -> None:

@@ -120,6 +120,9 @@ class FakeStore:
             self.finished[job_id] = len(blocks)
         self.pending = {}
 
+    def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
+        return False  # NOTE: an in-memory store answers `contains` at once
+
     def finished_loads(self) -> dict[int, int]:
         finished, self.finished = self.finished, {}
         return finished

@@ -58,6 +58,11 @@ class BlockStore(Protocol):
         """Fill each device block with the K/V stored under its hash, in the background, in order."""
         ...
 
+    def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
+        """Start finding out (in the background) which of `hashes` a remote store holds; False when
+        `contains` answers for them now. A started lookup finishes like a load of 0 blocks."""
+        ...
+
     def finished_loads(self) -> dict[int, int]:
         """Loads completed since the last call: job id -> number of leading blocks filled."""
         ...
@@ -174,11 +179,24 @@ class KVCacheManager:
         """Start loading the blocks after `computed_blocks` that the store holds; False when none.
 
         The device hits and the fresh blocks are referenced until the request is admitted (or
-        freed), so neither is evicted while it waits. At most one load per admission.
+        freed), so neither is evicted while it waits. At most one load per admission. When only a round
+        trip to a remote store can tell what it holds, a lookup (a load of no blocks) goes first.
         """
-        if self.store is None or not self.enable_caching or request.request_id in self._load_of:
+        if self.store is None or not self.enable_caching:
             return False
+        looked_up = False
+        if (job_id := self._load_of.get(request.request_id)) is not None:
+            if self._loads[job_id].block_ids or not self._loads[job_id].done:
+                return False
+            self._drop_load(job_id)  # NOTE: its lookup is back: `store.contains` now answers
+            looked_up = True
         hashes = self._hashes(request)[len(computed_blocks) : self._max_hit_blocks(request)]
+        if hashes and not looked_up and self.store.start_lookup(self._next_job_id, hashes):
+            self.block_pool.touch(computed_blocks)
+            self._loads[self._next_job_id] = _Load(request.request_id, list(computed_blocks), [], [])
+            self._load_of[request.request_id] = self._next_job_id
+            self._next_job_id += 1
+            return True
         # NOTE: keep one block free beyond the load and the revived hits, so the request can be admitted.
         num_revived = sum(1 for block_id in computed_blocks if self.block_pool.ref_cnt(block_id) == 0)
         room = self.block_pool.num_free_blocks - num_revived - 1

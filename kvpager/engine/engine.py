@@ -25,7 +25,7 @@ from kvpager.engine.loading import LoadedModel, load, log_pool
 from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
 from kvpager.kvstore.pack import Pack, PackExpectation, PackModel
-from kvpager.kvstore.remote import RemotePublisher
+from kvpager.kvstore.publisher import RemotePublisher
 from kvpager.worker.runner import ModelRunner
 from kvpager.worker.structured import GrammarCompiler
 
@@ -92,7 +92,8 @@ class Engine:
             store=self.kv_store,
         )
         # NOTE: with a shared store, each block is written there as soon as its forward ran (not only
-        # on eviction), so other replicas hit it while it is still on this device.
+        # on eviction), so other replicas hit it while it is still on this device; the writes run on
+        # the publisher's thread, never in a step.
         self.kv_publisher = None
         if tiers is not None and tiers.remote is not None:
             self.kv_publisher = RemotePublisher(tiers.remote, self.kv_manager.block_pool, self.runner)
@@ -334,6 +335,8 @@ class Engine:
             return
         self._is_shut_down = True
         self.grammar.shutdown()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.kv_store is None:
             return
         written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())

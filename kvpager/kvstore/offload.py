@@ -11,6 +11,10 @@ Tier I/O runs off the scheduling path, on two background threads:
   full drops its block, counted in `dropped`: a cache may forget, a step must not wait for a disk).
   Prefix loads (`start_load`) run on the same thread in the same FIFO order, so a block evicted
   before a load was asked for is found by it; the request waits as WAITING_FOR_REMOTE_KVS meanwhile.
+- lookup: with a remote tier, which blocks of a chain the store holds is only known after a round
+  trip. `start_lookup` hands the chain to a third thread (one pipelined EXISTS, `RemoteTier.lookup`)
+  and the request waits for it like for a load; a load of the blocks found follows. The lookup
+  thread is its own so that it never queues behind slow remote writes.
 The scheduler and the pool never see a tier or a thread; they see a `BlockStore` or nothing.
 NOTE: device blocks are read and written from the worker threads: see the fences above; a block
 being loaded is owned by the waiting request, so it is in no batch.
@@ -24,7 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +37,10 @@ from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.codec import get_codec
 from kvpager.kvstore.remote import RemoteTier
-from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers, TierStats
+from kvpager.kvstore.tier_stats import KVTierStats, MoveCounters
+from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers
+
+__all__ = ["KVTierStats", "MoveCounters", "TieredBlockStore", "build_tiers", "run_worker"]
 
 logger = logging.getLogger("kvpager.kvstore.offload")
 
@@ -41,7 +48,7 @@ DEFAULT_MAX_PENDING_WRITES = 256  # copied-out blocks waiting for the I/O thread
 IDLE_CHECK_S = 1.0  # how often an idle worker thread checks whether its store still exists
 
 
-def _run_worker(
+def run_worker(
     ref: weakref.ReferenceType[TieredBlockStore], cond: threading.Condition, work: deque[Any], step: str
 ) -> None:
     """A worker thread: wait for `work`, run `store.<step>()`; ends when it returns False or the store is gone.
@@ -71,69 +78,6 @@ class BlockIO(Protocol):
     def write_block(self, block_id: int, block: torch.Tensor) -> None: ...
 
 
-@dataclass
-class MoveCounters:
-    """Blocks moved between the device pool and the tiers, or in and out of the engine (packs)."""
-
-    blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class KVTierStats:
-    """Everything `engine.kv_tier_stats()` reports (for /metrics and `kvpager bench`).
-
-    `host`/`disk` are the tiers' own counters (None when the tier is off); `offloaded` counts device
-    blocks copied into the tiers, `restored` tier blocks copied back into the pool (`bytes` = raw
-    device bytes); `exported`/`imported` count KV payloads (`bytes` = payload bytes); `dropped`
-    counts copied-out blocks not written because the write queue was full. Taken without waiting
-    for the background I/O in flight (`TieredBlockStore.drain` settles it).
-    """
-
-    host: TierStats | None
-    disk: TierStats | None
-    device_evictions: int
-    remote: TierStats | None = None
-    offloaded: MoveCounters = field(default_factory=MoveCounters)
-    restored: MoveCounters = field(default_factory=MoveCounters)
-    exported: MoveCounters = field(default_factory=MoveCounters)
-    imported: MoveCounters = field(default_factory=MoveCounters)
-    pinned_blocks: int = 0
-    dropped: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat `{name: value}` (e.g. `host_hits`, `disk_skipped`, `restored_seconds`) for metrics."""
-        flat: dict[str, float] = {
-            "device_evictions": self.device_evictions,
-            "pinned_blocks": self.pinned_blocks,
-            "dropped": self.dropped,
-        }
-        for tier_name, tier in (("host", self.host), ("disk", self.disk), ("remote", self.remote)):
-            if tier is not None:
-                flat.update({f"{tier_name}_{key}": value for key, value in asdict(tier).items()})
-        for move_name in ("offloaded", "restored", "exported", "imported"):
-            counters = getattr(self, move_name)
-            flat.update({f"{move_name}_{key}": value for key, value in asdict(counters).items()})
-        return flat
-
-    def summary(self) -> str:
-        """One line for benchmark output."""
-        parts = [f"device evictions {self.device_evictions}"]
-        for name, tier in (("host", self.host), ("disk", self.disk), ("remote", self.remote)):
-            if tier is not None:
-                parts.append(
-                    f"{name} {tier.hits} hits/{tier.misses} misses, {tier.num_blocks} blocks "
-                    f"{tier.bytes_held / (1 << 20):.1f} MiB, {tier.evictions} evictions"
-                    + (f", {tier.skipped} skipped" if name == "disk" else "")
-                )
-        parts.append(f"restored {self.restored.blocks} blocks in {self.restored.seconds * 1e3:.1f} ms")
-        parts.append(f"offloaded {self.offloaded.blocks} blocks in {self.offloaded.seconds * 1e3:.1f} ms")
-        if self.pinned_blocks:
-            parts.append(f"pinned {self.pinned_blocks} blocks")
-        return "kv tiers: " + "; ".join(parts)
-
-
 def build_tiers(config: EngineConfig, fingerprint: bytes) -> KVTiers | None:
     """The host, disk and/or remote tiers the config asks for, or None when it asks for none."""
     if config.host_kv_cache_memory is None and config.kv_cache_dir is None and config.kv_cache_remote is None:
@@ -160,6 +104,12 @@ class _Store:
 class _Load:
     job_id: int
     blocks: list[tuple[BlockHash, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Lookup:
+    job_id: int
+    hashes: list[BlockHash]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +145,8 @@ class TieredBlockStore:
         self._copying: dict[int, BlockHash] = {}  # block id -> hash, until its copy-out is done
         self._staged: set[BlockHash] = set()  # queued for copy-out or writing
         self._jobs: deque[_Job] = deque()  # the I/O thread's FIFO
+        self._lookups: deque[_Lookup] = deque()  # the lookup thread's FIFO
+        self._lookup_busy = False
         self._num_writes = 0  # store jobs in `_jobs`
         self._io_busy = False
         self._finished: dict[int, int] = {}
@@ -204,10 +156,16 @@ class TieredBlockStore:
         ref = weakref.ref(self)
         self._threads = [
             threading.Thread(
-                target=_run_worker, args=(ref, self._cond, self._copies, "_copy_once"), name="kvpager-kv-copy"
+                target=run_worker, args=(ref, self._cond, self._copies, "_copy_once"), name="kvpager-kv-copy"
             ),
-            threading.Thread(target=_run_worker, args=(ref, self._cond, self._jobs, "_io_once"), name="kvpager-kv-io"),
+            threading.Thread(target=run_worker, args=(ref, self._cond, self._jobs, "_io_once"), name="kvpager-kv-io"),
         ]
+        if tiers.remote is not None:
+            self._threads.append(
+                threading.Thread(
+                    target=run_worker, args=(ref, self._cond, self._lookups, "_lookup_once"), name="kvpager-kv-lookup"
+                )
+            )
         for thread in self._threads:
             thread.daemon = True
             thread.start()
@@ -241,6 +199,27 @@ class TieredBlockStore:
 
     def start_load(self, job_id: int, blocks: Sequence[tuple[BlockHash, int]]) -> None:
         self._submit(_Load(job_id, list(blocks)))
+
+    def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
+        """Start asking the remote store about the chain past what the local tiers hold; False when
+        `contains` can answer for it now (no remote tier, store down, or every answer still known)."""
+        remote = self.tiers.remote
+        if remote is None:
+            return False
+        for index, block_hash in enumerate(hashes):
+            if block_hash in self._staged or self.tiers.contains(block_hash):
+                continue
+            if not remote.needs_lookup(block_hash):
+                return False
+            lookup = _Lookup(job_id, list(hashes[index:]))
+            with self._cond:
+                if not self._closed:
+                    self._lookups.append(lookup)
+                    self._cond.notify_all()
+                    return True
+            self._run_lookup(lookup)  # NOTE: after close(), inline
+            return True
+        return False
 
     def finished_loads(self) -> dict[int, int]:
         with self._cond:
@@ -278,7 +257,7 @@ class TieredBlockStore:
     def drain(self) -> None:
         """Wait until every copy-out, write and load asked for so far has completed."""
         with self._cond:
-            while self._copying or self._jobs or self._io_busy:
+            while self._copying or self._jobs or self._io_busy or self._lookups or self._lookup_busy:
                 self._cond.wait()
 
     def close(self) -> None:
@@ -352,6 +331,31 @@ class TieredBlockStore:
                 self._cond.notify_all()
         return True
 
+    def _lookup_once(self) -> bool:
+        """Run one queued lookup, if any; False once closed and idle."""
+        with self._cond:
+            if not self._lookups:
+                return not self._closed
+            lookup = self._lookups.popleft()
+            self._lookup_busy = True
+        try:
+            self._run_lookup(lookup)
+        finally:
+            with self._cond:
+                self._lookup_busy = False
+                self._cond.notify_all()
+        return True
+
+    def _run_lookup(self, lookup: _Lookup) -> None:
+        try:
+            assert self.tiers.remote is not None
+            self.tiers.remote.lookup(lookup.hashes)
+        except Exception:  # NOTE: a failed lookup is a miss; the request still gets its answer
+            logger.exception("KV tiers: remote lookup failed")
+        with self._cond:
+            self._finished[lookup.job_id] = 0
+            self._cond.notify_all()
+
     def _run_job(self, job: _Job) -> None:
         if isinstance(job, _Store):
             self._store(job.block_hash, job.block, job.start)
@@ -377,6 +381,16 @@ class TieredBlockStore:
 
     def _load(self, blocks: list[tuple[BlockHash, int]]) -> int:
         """Copy the tiers' blocks into their device blocks, in order; stops at the first miss."""
+        remote = self.tiers.remote
+        if remote is not None:  # NOTE: the blocks the local tiers lack come in a few round trips, not one each
+            remote.prefetch([h for h, _ in blocks if not self.tiers.contains_locally(h)])
+        try:
+            return self._load_blocks(blocks)
+        finally:
+            if remote is not None:
+                remote.drop_prefetched([h for h, _ in blocks])
+
+    def _load_blocks(self, blocks: list[tuple[BlockHash, int]]) -> int:
         for index, (block_hash, block_id) in enumerate(blocks):
             start = time.perf_counter()
             try:

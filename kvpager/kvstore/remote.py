@@ -5,10 +5,12 @@ the disk tier's checksummed record (`records.py`: fingerprint, hash, codec, shap
 key `kvpager:v1:<fingerprint hex[:16]>:<block hash hex>`, encoded with the same `--kv-codec`, so a
 prefix computed on replica A is a verified hit on replica B, or on a replica started later.
 
-Writes: every block the device pool caches is written once its forward has run (`RemotePublisher`,
-after each step), and a device eviction writes any block the store does not have yet (write-through:
-e.g. one computed while the store was down). Reads: a prefix miss in the pool, host and disk asks the
-store. A record that fails its checks is deleted from the store and never loaded.
+Writes: every block the device pool caches is written once its forward has run (`publisher.py`,
+from its own thread), and a device eviction writes any block the store does not have yet
+(write-through: e.g. one computed while the store was down). Reads: a prefix miss in the pool, host
+and disk first asks the store which blocks of the chain it holds (`lookup`: one pipelined EXISTS,
+on the tier store's lookup thread), then fetches them (`prefetch`: MGET, on the I/O thread). A record
+that fails its checks is deleted from the store and never loaded.
 
 Size: the store is bounded by the server's own eviction, not by kvpager: run it with `maxmemory` and
 `maxmemory-policy allkeys-lru` (checked at start; a warning when it is unbounded or does not evict).
@@ -16,23 +18,26 @@ Size: the store is bounded by the server's own eviction, not by kvpager: run it 
 Failure: every call has a socket timeout (`--kv-cache-remote-timeout`). A store that is down or slow
 is a miss: the prefix is recomputed, the reason is logged once, and the tier stays off for
 `retry_interval_s` before the next call tries again. A request never fails because of the store.
-NOTE: not thread-safe, like the other tiers; the engine thread owns it.
+Threads: no call made on the engine thread talks to the server (`contains`, `knows`, `needs_lookup`
+read what earlier answers left); the lookup, I/O and publisher threads make the calls. The tier's own
+state (what is known present or absent, the fetched records, the counters) is behind one lock,
+never held across a network call.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import urllib.parse
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from kvpager.core.block_pool import BlockPool
 from kvpager.core.hashing import BlockHash
-from kvpager.core.kv_events import BlockStored, KVEvent
 from kvpager.kvstore.codec import Codec
 from kvpager.kvstore.records import EncodedBlock, RecordError, decode_record, encode_record
 from kvpager.kvstore.tiers import RecordTier, TierStats, encode_block
@@ -44,7 +49,9 @@ KEY_PREFIX = "kvpager:v1:"
 DEFAULT_REMOTE_TIMEOUT_S = 1.0
 DEFAULT_RETRY_INTERVAL_S = 5.0
 KNOWN_CAPACITY = 1 << 16  # hashes remembered as present in the store (saves a round trip per check)
-STASH_CAPACITY = 64  # records fetched by `contains`, kept for the `load` that follows
+ABSENT_CAPACITY = 1 << 14  # hashes the store answered as absent
+ABSENT_TTL_S = 2.0  # how long an "absent" answer stands (another replica may write the block later)
+MGET_BATCH = 16  # records fetched per round trip by `prefetch`
 _FAILED = object()  # what `_call` returns when the store did not answer
 
 
@@ -55,6 +62,8 @@ class RemoteTierStats(TierStats):
     errors: int = 0  # calls that failed (connection refused, timeout, server error)
     unavailable: int = 0  # calls answered as a miss without trying, while the store was marked down
     published: int = 0  # blocks written right after their forward (`RemotePublisher`)
+    lookups: int = 0  # batched lookups (one round trip each), off the engine thread
+    publish_dropped: int = 0  # blocks the publisher dropped because its queue was full (oldest first)
 
 
 def check_remote_url(url: str) -> str:
@@ -119,7 +128,9 @@ class RemoteTier(RecordTier):
         self.prefix = f"{KEY_PREFIX}{fingerprint.hex()[:16]}:".encode()
         self._stats = RemoteTierStats()
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
-        self._stash: OrderedDict[BlockHash, bytes] = OrderedDict()
+        self._absent: OrderedDict[BlockHash, float] = OrderedDict()  # hash -> when it was answered absent
+        self._stash: dict[BlockHash, bytes | None] = {}  # prefetched records (None: absent), for `get_encoded`
+        self._lock = threading.Lock()
         self._down_since: float | None = None
         self._down_reason: str | None = None
 
@@ -141,7 +152,13 @@ class RemoteTier(RecordTier):
     @property
     def stats(self) -> RemoteTierStats:
         """A snapshot of the counters (`num_blocks`/`bytes_held` count this engine's writes)."""
-        return replace(self._stats)
+        with self._lock:
+            return replace(self._stats)
+
+    def count(self, name: str, value: int = 1) -> None:
+        """Add `value` to counter `name` (for the publisher, from its thread)."""
+        with self._lock:
+            setattr(self._stats, name, getattr(self._stats, name) + value)
 
     @property
     def available(self) -> bool:
@@ -157,29 +174,89 @@ class RemoteTier(RecordTier):
 
     # -- the tier protocol ----------------------------------------------------------------------
     def contains(self, block_hash: BlockHash) -> bool:
-        """Whether the store holds the block. An unknown hash is fetched now and kept for `get_encoded`."""
-        if block_hash in self._known:
-            return True
-        record = self._call("read", lambda: self.client.get(self.key(block_hash)), None)
-        if not isinstance(record, bytes):
+        """Whether the store is known to hold the block (an earlier answer or write; no round trip, may be stale)."""
+        return block_hash in self._known
+
+    def needs_lookup(self, block_hash: BlockHash) -> bool:
+        """Whether only a round trip can tell if the store holds the block (unknown, store not marked down)."""
+        if block_hash in self._known or not self.available:
             return False
-        self._remember(block_hash)
-        self._stash[block_hash] = record
-        while len(self._stash) > STASH_CAPACITY:
-            self._stash.popitem(last=False)
+        with self._lock:
+            answered = self._absent.get(block_hash)
+            if answered is not None and time.monotonic() < answered + ABSENT_TTL_S:
+                return False
         return True
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """Ask the store which of `hashes` it holds (one pipelined EXISTS); returns the leading run held.
+
+        Every answer is remembered (`contains` / `needs_lookup` read it). A store that is down is a miss.
+        """
+        unknown = [h for h in hashes if h not in self._known]
+        if unknown:
+            self.count("lookups")
+
+            def exists() -> list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for block_hash in unknown:
+                    pipe.exists(self.key(block_hash))
+                return list(pipe.execute())
+
+            answers = self._call("lookup", exists, None)
+            if not isinstance(answers, list):
+                return 0
+            now = time.monotonic()
+            with self._lock:
+                for block_hash, held in zip(unknown, answers, strict=True):
+                    if held:
+                        self._remember_locked(block_hash)
+                        self._absent.pop(block_hash, None)
+                    else:
+                        self._absent[block_hash] = now
+                        self._absent.move_to_end(block_hash)
+                while len(self._absent) > ABSENT_CAPACITY:
+                    self._absent.popitem(last=False)
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._known:
+                break
+            count += 1
+        return count
+
+    def prefetch(self, hashes: Sequence[BlockHash]) -> None:
+        """Fetch the records of a chain's blocks (MGET, `MGET_BATCH` per round trip) for `get_encoded`.
+
+        Stops at the first block the store does not return; `get_encoded` then answers from what was
+        fetched without a round trip of its own. Call `get_encoded` for each hash afterwards.
+        """
+        for start in range(0, len(hashes), MGET_BATCH):
+            batch = list(hashes[start : start + MGET_BATCH])
+            records = self._call("read", lambda b=batch: self.client.mget([self.key(h) for h in b]), None)
+            if not isinstance(records, list):
+                return
+            with self._lock:
+                for block_hash, record in zip(batch, records, strict=True):
+                    self._stash[block_hash] = record if isinstance(record, bytes) else None
+            if not all(isinstance(record, bytes) for record in records):
+                return
+
+    def drop_prefetched(self, hashes: Sequence[BlockHash]) -> None:
+        """Forget the prefetched records of `hashes` that `get_encoded` did not take (after a load)."""
+        with self._lock:
+            for block_hash in hashes:
+                self._stash.pop(block_hash, None)
 
     def put(self, block_hash: BlockHash, block: torch.Tensor) -> bool:
         """Write `block` with this tier's codec unless the store is known to hold it; False when not written."""
         if block_hash in self._known:
-            self._known.move_to_end(block_hash)
             return True
         if not self.available:
-            self._stats.unavailable += 1
+            self.count("unavailable")
             return False
         start = time.perf_counter()
         encoded = encode_block(self.codec, block)
-        self._stats.save_seconds += time.perf_counter() - start
+        with self._lock:
+            self._stats.save_seconds += time.perf_counter() - start
         return self.put_encoded(block_hash, encoded)
 
     def put_encoded(self, block_hash: BlockHash, encoded: EncodedBlock) -> bool:
@@ -191,34 +268,39 @@ class RemoteTier(RecordTier):
         written = self._call("write", lambda: self.client.set(self.key(block_hash), record, nx=True), _FAILED)
         if written is _FAILED:
             return False
-        self._remember(block_hash)
-        if written:
-            self._stats.num_blocks += 1
-            self._stats.bytes_held += len(record)
-            self._stats.bytes_in += len(record)
-        self._stats.save_seconds += time.perf_counter() - start
+        with self._lock:
+            self._remember_locked(block_hash)
+            if written:
+                self._stats.num_blocks += 1
+                self._stats.bytes_held += len(record)
+                self._stats.bytes_in += len(record)
+            self._stats.save_seconds += time.perf_counter() - start
         return True
 
     def get_encoded(self, block_hash: BlockHash) -> EncodedBlock | None:
         """The verified encoded block, or None (a miss, a store that is down, or a bad record, now deleted)."""
         start = time.perf_counter()
-        record = self._stash.pop(block_hash, None)
-        if record is None:
+        with self._lock:
+            prefetched = block_hash in self._stash
+            record = self._stash.pop(block_hash, None)
+        if not prefetched:
             fetched = self._call("read", lambda: self.client.get(self.key(block_hash)), None)
             record = fetched if isinstance(fetched, bytes) else None
         if record is None:
-            self._known.pop(block_hash, None)  # NOTE: the server evicted it (LRU) or never had it
-            self._stats.misses += 1
+            with self._lock:
+                self._known.pop(block_hash, None)  # NOTE: the server evicted it (LRU) or never had it
+                self._stats.misses += 1
             return None
         try:
             encoded = decode_record(record, self.fingerprint, block_hash)
         except RecordError as error:
             self._reject(block_hash, str(error))
             return None
-        self._remember(block_hash)
-        self._stats.hits += 1
-        self._stats.bytes_out += len(record)
-        self._stats.load_seconds += time.perf_counter() - start
+        with self._lock:
+            self._remember_locked(block_hash)
+            self._stats.hits += 1
+            self._stats.bytes_out += len(record)
+            self._stats.load_seconds += time.perf_counter() - start
         return encoded
 
     # -- the server -----------------------------------------------------------------------------
@@ -245,30 +327,32 @@ class RemoteTier(RecordTier):
         import redis
 
         if not self.available:
-            self._stats.unavailable += 1
+            self.count("unavailable")
             return default
         try:
             result = fn()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as error:
-            self._stats.errors += 1
             self._mark_down(what, error)
             return default
         except redis.RedisError as error:  # the server answered with an error (e.g. OOM under noeviction)
-            self._stats.errors += 1
+            self.count("errors")
             if what == "write":
-                self._stats.write_errors += 1
+                self.count("write_errors")
             logger.warning("KV store %s refused a %s: %s", self.name, what, error)
             return default
-        if self._down_reason is not None:
+        with self._lock:
+            was_down, self._down_reason, self._down_since = self._down_reason is not None, None, None
+        if was_down:
             logger.info("KV store %s is reachable again", self.name)
-            self._down_reason = None
-        self._down_since = None
         return result
 
     def _mark_down(self, what: str, error: BaseException) -> None:
-        self._down_since = time.monotonic()
         reason = f"{type(error).__name__}: {error}"
-        if self._down_reason is None:
+        with self._lock:
+            self._stats.errors += 1
+            self._down_since = time.monotonic()
+            first, self._down_reason = self._down_reason is None, reason
+        if first:
             logger.warning(
                 "KV store %s failed a %s (%s); prefixes are recomputed, next try in %g s",
                 self.name,
@@ -276,58 +360,17 @@ class RemoteTier(RecordTier):
                 reason,
                 self.retry_interval_s,
             )
-        self._down_reason = reason
 
     def _reject(self, block_hash: BlockHash, reason: str) -> None:
         logger.warning("KV store %s: deleted bad record of block %s: %s", self.name, block_hash.hex()[:16], reason)
-        self._stats.skipped += 1
-        self._stats.misses += 1
-        self._known.pop(block_hash, None)
+        with self._lock:
+            self._stats.skipped += 1
+            self._stats.misses += 1
+            self._known.pop(block_hash, None)
         self._call("delete", lambda: self.client.delete(self.key(block_hash)), None)
 
-    def _remember(self, block_hash: BlockHash) -> None:
+    def _remember_locked(self, block_hash: BlockHash) -> None:
         self._known[block_hash] = None
         self._known.move_to_end(block_hash)
         while len(self._known) > KNOWN_CAPACITY:
             self._known.popitem(last=False)
-
-
-class BlockReader(Protocol):
-    """What the publisher reads device blocks with (the `ModelRunner`)."""
-
-    def read_block(self, block_id: int) -> torch.Tensor: ...
-
-
-class RemotePublisher:
-    """Writes each block the device pool caches to the remote tier once the step's forward wrote it.
-
-    The pool announces a cached block at allocation (`BlockStored`), before the forward; `flush()`
-    runs after the forward and writes those still cached under the same hash and not yet in the store.
-    While the store is down nothing is read or encoded: the blocks are dropped here, and the tier's
-    write-through on device eviction stores them later.
-    """
-
-    def __init__(self, remote: RemoteTier, pool: BlockPool, io: BlockReader) -> None:
-        self.remote = remote
-        self.pool = pool
-        self.io = io
-        self._pending: list[tuple[BlockHash, int]] = []
-        pool.add_listener(self._on_event)
-
-    def _on_event(self, event: KVEvent) -> None:
-        if isinstance(event, BlockStored):
-            self._pending.extend(zip(event.block_hashes, event.block_ids, strict=True))
-
-    def flush(self) -> int:
-        """Write the pending blocks; returns how many were written."""
-        pending, self._pending = self._pending, []
-        written = 0
-        for block_hash, block_id in pending:
-            if self.remote.knows(block_hash) or self.pool.get_cached_block(block_hash) != block_id:
-                continue
-            if not self.remote.available:
-                break
-            if self.remote.put(block_hash, self.io.read_block(block_id)):
-                written += 1
-        self.remote._stats.published += written
-        return written

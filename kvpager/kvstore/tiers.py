@@ -378,10 +378,13 @@ class KVTiers:
         self.remote = remote
 
     def contains(self, block_hash: BlockHash) -> bool:
-        return (
-            (self.host is not None and block_hash in self.host)
-            or (self.disk is not None and block_hash in self.disk)
-            or (self.remote is not None and self.remote.contains(block_hash))
+        """Whether a tier holds the block; for the remote tier, as far as earlier answers tell (no round trip)."""
+        return self.contains_locally(block_hash) or (self.remote is not None and self.remote.contains(block_hash))
+
+    def contains_locally(self, block_hash: BlockHash) -> bool:
+        """Whether the host or disk tier holds the block."""
+        return (self.host is not None and block_hash in self.host) or (
+            self.disk is not None and block_hash in self.disk
         )
 
     def offload(self, block_hash: BlockHash, block: torch.Tensor) -> None:

@@ -153,6 +153,8 @@ class Ingress:
         return hex_chain(hash_prompt_blocks(fingerprint, token_ids, block_size))
 
     def _prompt_ids(self, path: str, payload: dict[str, Any]) -> list[int]:
+        if path.endswith("/kv/export"):  # NOTE: a decode server's fetch goes where the prefix is
+            return [int(t) for t in payload["prompt_token_ids"]]
         if path.endswith("/chat/completions"):
             messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in payload["messages"]]
             text = self.tokenizer.apply_chat_template(

@@ -7,6 +7,13 @@ cannot differ) and imports the payload on the engine thread. The request is then
 its full blocks are prefix-cache hits, so only the partial last block (at most `block_size - 1`
 tokens, plus the last one) is computed here, and decoding runs locally.
 
+With a shared store (both servers started with the same `--kv-cache-remote redis://HOST:PORT`), the
+client first asks the store — one pipelined EXISTS, off the engine thread — whether it holds every
+full block of the prompt that a prefix-cache lookup can reuse; then nothing goes over HTTP: the engine
+pulls the blocks from the store when it schedules the request (`kvpager:kv_fetches_from_store`).
+Otherwise (a block missing, or the store down) the prefill server is asked as below. The prefill
+server writes every block it computes into the store, so the store fills as it serves.
+
 Both servers share `--kv-transfer-key`: the prefill server signs every export with it and the
 client refuses a payload whose signature does not verify (docs/security.md), so only KV the prefill
 server computed can enter this server's prefix cache. The response is read in chunks and dropped
@@ -29,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from kvpager.core.hashing import hash_prompt_blocks
 from kvpager.engine.async_engine import AsyncEngine
 from kvpager.kvstore.signing import SIGNATURE_HEADER, verify_payload
 
@@ -65,6 +73,7 @@ class DisaggStats:
     """Counters of KV fetches from the prefill server (exposed as `kvpager:kv_fetch*`)."""
 
     fetches_ok: int = 0
+    fetches_from_store: int = 0  # prompts whose reusable blocks were all in the shared store (no HTTP)
     fetches_failed: int = 0  # each one fell back to a local prefill
     fetch_seconds: float = 0.0  # request to the prefill server + import, successful fetches only
     fetch_bytes: int = 0  # payload bytes received (successful fetches)
@@ -107,6 +116,9 @@ class PrefillClient:
         """
         if len(token_ids) < self.block_size:
             return None
+        if await self._in_store(engine, token_ids):
+            self.stats.fetches_from_store += 1
+            return 0
         start = time.perf_counter()
         try:
             payload = await self._fetch(token_ids)
@@ -124,6 +136,17 @@ class PrefillClient:
         self.stats.fetch_bytes += len(payload)
         self.stats.fetch_blocks += int(num_blocks)
         return int(num_blocks)
+
+    async def _in_store(self, engine: AsyncEngine, token_ids: list[int]) -> bool:
+        """Whether the shared store holds every full block of `token_ids` a prefix lookup reuses."""
+        store = engine.engine.kv_store
+        remote = store.tiers.remote if store is not None else None
+        if remote is None:
+            return False
+        # NOTE: a lookup stops before the last prompt token, whose logits are computed here anyway.
+        num_reusable = (len(token_ids) - 1) // self.block_size
+        hashes = hash_prompt_blocks(engine.engine.kv_manager.hash_seed, token_ids, self.block_size)[:num_reusable]
+        return bool(hashes) and await asyncio.to_thread(remote.lookup, hashes) == len(hashes)
 
     async def _fetch(self, token_ids: list[int]) -> bytes:
         if not self.transfer_key:

@@ -1,0 +1,129 @@
+"""Writes each block the device pool caches to the remote tier, from its own thread.
+
+The pool announces a cached block at allocation (`BlockStored`, a KV event), before the forward;
+`flush()` runs on the engine thread after the forward and copies the blocks still cached under the
+same hash and not yet known to the store into host tensors (a device-to-host copy, no network). The
+publisher thread then encodes them and writes them (`RemoteTier.put`: SET NX), so a slow or dead
+store never holds a step. The queue between the two is bounded (`max_pending`): when it is full the
+oldest block is dropped, counted in `publish_dropped` (a device eviction writes it through later).
+While the store is marked down nothing is copied: the blocks are dropped here for the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from kvpager.core.block_pool import BlockPool
+from kvpager.core.hashing import BlockHash
+from kvpager.core.kv_events import BlockStored, KVEvent
+from kvpager.kvstore.offload import run_worker
+from kvpager.kvstore.remote import RemoteTier
+
+logger = logging.getLogger("kvpager.kvstore.remote")
+
+DEFAULT_MAX_PENDING = 1024  # copied blocks waiting for the publisher thread
+
+
+class BlockReader(Protocol):
+    """What the publisher reads device blocks with (the `ModelRunner`)."""
+
+    def read_block(self, block_id: int) -> torch.Tensor: ...
+
+
+class RemotePublisher:
+    """See the module docstring. `close()` writes what is queued, then stops the thread."""
+
+    def __init__(
+        self, remote: RemoteTier, pool: BlockPool, io: BlockReader, *, max_pending: int = DEFAULT_MAX_PENDING
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.remote = remote
+        self.pool = pool
+        self.io = io
+        self.max_pending = max_pending
+        self._announced: list[tuple[BlockHash, int]] = []
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[BlockHash, torch.Tensor]] = deque()
+        self._busy = False
+        self._closed = False
+        pool.add_listener(self._on_event)
+        # NOTE: the thread holds the publisher weakly between writes, so an engine dropped without
+        # shutdown() is still collected (with its KV pool); the thread then ends.
+        self._thread = threading.Thread(
+            target=run_worker,
+            args=(weakref.ref(self), self._cond, self._queue, "_write_once"),
+            name="kvpager-kv-publish",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _on_event(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._announced.extend(zip(event.block_hashes, event.block_ids, strict=True))
+
+    def flush(self) -> int:
+        """Queue host copies of the blocks announced since the last flush (engine thread, after the
+        forward); returns how many were queued. Never waits for the store."""
+        announced, self._announced = self._announced, []
+        if not announced or not self.remote.available:
+            return 0
+        copies = [
+            (block_hash, self.io.read_block(block_id).to("cpu", copy=True))
+            for block_hash, block_id in announced
+            if not self.remote.knows(block_hash) and self.pool.get_cached_block(block_hash) == block_id
+        ]
+        if not copies:
+            return 0
+        dropped = 0
+        with self._cond:
+            if self._closed:
+                return 0
+            for item in copies:
+                if len(self._queue) >= self.max_pending:
+                    self._queue.popleft()
+                    dropped += 1
+                self._queue.append(item)
+            self._cond.notify_all()
+        if dropped:
+            self.remote.count("publish_dropped", dropped)
+        return len(copies)
+
+    def drain(self) -> None:
+        """Wait until every queued block was written (or dropped because the store went down)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread (idempotent)."""
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _write_once(self) -> bool:
+        """Write one queued block, if any; False once closed and idle."""
+        with self._cond:
+            if not self._queue:
+                return not self._closed
+            block_hash, block = self._queue.popleft()
+            self._busy = True
+        try:
+            if self.remote.available and self.remote.put(block_hash, block):
+                self.remote.count("published")
+        except Exception:  # NOTE: a failed write loses a cache entry, never the thread
+            logger.exception("KV store: could not publish block %s", block_hash.hex()[:16])
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return True
