@@ -81,9 +81,7 @@ def tensor_parallel_layout(
             f"them, so they cannot be replicated evenly; use a multiple of {num_kv_heads}"
         )
     if intermediate_size % n:
-        raise ValueError(
-            f"tensor_parallel_size {n} must divide the model's intermediate_size {intermediate_size}"
-        )
+        raise ValueError(f"tensor_parallel_size {n} must divide the model's intermediate_size {intermediate_size}")
     return TensorParallelLayout(n, num_heads, num_kv_heads, intermediate_size, vocab_size)
 
 

@@ -141,7 +141,9 @@ class Engine:
         if config.tensor_parallel_size == 1:
             return None
         if loaded is not None:
-            raise ValueError("a preloaded model cannot be used with tensor_parallel_size > 1 (each rank loads its shard)")
+            raise ValueError(
+                "a preloaded model cannot be used with tensor_parallel_size > 1 (each rank loads its shard)"
+            )
         return TensorParallelExecutor(config, model_spec_of(config), resolve_device(config.device))
 
     @property

@@ -18,17 +18,15 @@ import socket
 import subprocess
 import sys
 import threading
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import RequestId
 from kvpager.core.limits import RequestLimits
 from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.step_codec import OP_STEP, OP_STOP, StepMessage, encode_step
-from kvpager.model.parallel import TensorParallel, layout_for
+from kvpager.model.parallel import TensorParallel, join_group, layout_for
 from kvpager.model.spec import ModelSpec
 
 logger = logging.getLogger("kvpager")
@@ -58,19 +56,11 @@ def init_rank(
     spec: ModelSpec, rank: int, world_size: int, addr: str, port: int, device: torch.device, timeout_s: float
 ) -> TensorParallel:
     """Join the process group (blocks until every rank has) and return this rank's `TensorParallel`."""
-    if dist.is_initialized():
-        raise ValueError("a tensor-parallel engine is already running in this process (one per process)")
     layout = layout_for(spec, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend_for(device),
-        init_method=f"tcp://{_url_host(addr)}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return TensorParallel(rank, layout, device)
+    store, group = join_group(rank, world_size, addr, port, device, timeout_s)
+    return TensorParallel(rank, layout, device, group, store)
 
 
 def threads_per_rank(config: EngineConfig) -> int:
@@ -96,7 +86,9 @@ class TensorParallelExecutor:
             env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS=str(threads))
             env[CONFIG_ENV] = worker_config
             self.workers.append(subprocess.Popen([sys.executable, "-m", "kvpager.engine.tp_worker"], env=env))
-        logger.info("tensor parallel: %d ranks over %s:%d (%s), %d threads each", n, addr, port, backend_for(device), threads)
+        logger.info(
+            "tensor parallel: %d ranks over %s:%d (%s), %d threads each", n, addr, port, backend_for(device), threads
+        )
         self._monitor = threading.Thread(target=self._watch, name="kvpager-tp-monitor", daemon=True)
         self._monitor.start()
         torch.set_num_threads(threads)
@@ -143,7 +135,6 @@ class TensorParallelExecutor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        dist.destroy_process_group()
 
     def _watch(self) -> None:
         """Monitor thread: a worker that exits (other than at shutdown) kills the engine, with the reason."""
@@ -163,12 +154,6 @@ class TensorParallelExecutor:
         for proc in self.workers:
             proc.kill()
             proc.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr  # an IPv6 literal
 
 
 def _free_port(addr: str) -> int:

@@ -15,7 +15,6 @@ import os
 import threading
 
 import torch
-import torch.distributed as dist
 
 from kvpager.core.step_codec import OP_STOP, decode_step
 from kvpager.engine.executor import CONFIG_ENV, config_from_json, init_rank
@@ -66,7 +65,6 @@ def main() -> None:
             break
         runner.apply_sampled(message.sampled)
         runner.execute(message.output)
-    dist.destroy_process_group()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -164,7 +164,9 @@ class ModelRunner:
 
     def _check_whole_pool(self) -> None:
         if self.parallel is not None:
-            raise ValueError("KV blocks cannot be read or written with tensor parallelism yet (each rank holds a shard)")
+            raise ValueError(
+                "KV blocks cannot be read or written with tensor parallelism yet (each rank holds a shard)"
+            )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
