@@ -212,3 +212,15 @@ def test_server_with_tp2_answers_then_reports_a_killed_worker(llama_dir: Path, t
         assert r.status_code == 503 and "worker rank 1" in r.text, r.text
     finally:
         server.stop()
+
+
+def test_tp2_int8_shards_give_the_tp1_int8_tokens(llama_dir: Path) -> None:
+    """Groups of 32 fit the row-parallel shards' 32 columns, so quantizing each shard equals slicing the
+    quantized model: the packed path under TP=2 must give TP=1's tokens."""
+    fields = {"quantization": "int8", "quantization_group_size": 32, "kv_cache_memory": 1 << 20}
+    tp2_engine = _engine(llama_dir, 2, **fields)
+    try:
+        tp2 = _run(tp2_engine, PROMPTS, GREEDY)
+    finally:
+        tp2_engine.shutdown()
+    assert tp2 == _run(_engine(llama_dir, 1, kernel_backend="torch", **fields), PROMPTS, GREEDY)
