@@ -240,6 +240,7 @@ windowed `max_*` answers; MLA models are planned but not run by the engine.
 | `decode_tokens_per_s_bound` | bandwidth bound at batch 1; `decode_tokens_per_s_bound_batch` at `--batch` (total) |
 | `attention_pairs_cached`, `attention_pairs_uncached` | query–key pairs for `--prompt N --generate M` with and without a KV cache |
 | `engine_num_blocks`, `engine_max_concurrency` | the kvpager engine's pool for `--kv-cache-memory` and its concurrency at max_model_len |
+| `tensor_parallel_size`, `engine_kv_heads_per_rank` | `--tensor-parallel-size N`: `engine_num_blocks` is then one rank's pool (its KV heads; docs/scale-out.md) |
 | `fits` | false when not even one block fits (exit status 1) |
 """
 
@@ -358,6 +359,7 @@ kvpager 引擎和 `kvpager plan` 用同一个函数（`kvpager.core.sizing.pool_
 | `decode_tokens_per_s_bound` | 批大小 1 时的带宽上界；`decode_tokens_per_s_bound_batch` 为 `--batch` 时的总和 |
 | `attention_pairs_cached`、`attention_pairs_uncached` | `--prompt N --generate M` 时有/无 KV 缓存的 query–key 对数 |
 | `engine_num_blocks`、`engine_max_concurrency` | `--kv-cache-memory` 下 kvpager 引擎的块数及其在 max_model_len 下的并发数 |
+| `tensor_parallel_size`、`engine_kv_heads_per_rank` | `--tensor-parallel-size N` 时 `engine_num_blocks` 为单个 rank 的池（其 KV 头；见 docs/scale-out.md） |
 | `fits` | 连一个块都放不下时为 false（退出码 1） |
 """
 

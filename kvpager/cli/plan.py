@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quantization-group-size", type=int, help="as `kvpager serve` (int4 default 128)")
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="as `kvpager serve`: the engine_* block count is one rank's pool (--kv-cache-memory per rank)",
+    )
+    p.add_argument(
         "--kv-dtype", default="bf16", help="KV cache element type: fp32, fp16, bf16, fp8, int8 (default bf16)"
     )
     p.add_argument(
@@ -166,6 +173,7 @@ def _options(args: argparse.Namespace, device: Device | None) -> PlanOptions:
         dtype=_engine_dtype(args),
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

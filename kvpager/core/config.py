@@ -81,6 +81,13 @@ class EngineConfig:
     kv_cache_remote: str | None = None  # redis://HOST:PORT of a Redis/Valkey store shared by replicas; None: off
     kv_cache_remote_timeout: float = 1.0  # seconds per store call; a slower store is a miss (recompute)
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # per-request work bounds (admission)
+    # Tensor parallelism (docs/scale-out.md): ranks 1..N-1 are worker processes the engine starts; rank 0
+    # is the engine. The rendezvous address: these, else MASTER_ADDR / MASTER_PORT, else 127.0.0.1 and a
+    # free port. `distributed_timeout` bounds a collective (a rank that stops answering fails the engine).
+    tensor_parallel_size: int = 1
+    distributed_master_addr: str | None = None
+    distributed_master_port: int | None = None
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
@@ -134,6 +141,33 @@ class EngineConfig:
         )
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         self._check_kv_storage()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        _check(n >= 1, f"tensor_parallel_size must be >= 1, got {n}")
+        port = self.distributed_master_port
+        _check(port is None or 0 < port < 65536, f"distributed_master_port must be in 1..65535, got {port}")
+        _check(self.distributed_timeout > 0, f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if n == 1:
+            return
+        tiers = {
+            "--host-kv-cache-memory": self.host_kv_cache_memory is not None,
+            "--kv-cache-dir": self.kv_cache_dir is not None,
+            "--kv-cache-remote": self.kv_cache_remote is not None,
+            "--kv-pack": bool(self.kv_packs),
+        }
+        used = [flag for flag, on in tiers.items() if on]
+        _check(
+            not used,
+            f"{', '.join(used)} cannot be combined with --tensor-parallel-size {n} yet "
+            "(KV tiers and packs read one pool; each rank holds a shard of it)",
+        )
+        _check(
+            self.kernel_backend != "cpu",
+            "--kernel-backend cpu cannot be combined with --tensor-parallel-size > 1 (the fused kernels do not "
+            "all-reduce between layers); use auto or torch",
+        )
 
     def _check_kv_storage(self) -> None:
         _check(

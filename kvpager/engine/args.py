@@ -83,8 +83,39 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = F
         "high: TF32 on CUDA; medium: bfloat16 inputs, float32 accumulation (AMX on recent Xeons: several "
         "times faster batched steps, ~3 significant digits per product)",
     )
+    add_parallel_args(parser)
     add_kv_storage_args(parser)
     add_request_limit_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (docs/scale-out.md): vLLM's flag plus the rendezvous address."""
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks the model is split over (Megatron-style; must divide the attention heads); the engine "
+        "starts ranks 1..N-1 as worker processes (gloo on CPU, nccl on CUDA)",
+    )
+    g.add_argument(
+        "--distributed-master-addr",
+        default=None,
+        help="rendezvous address of rank 0 (default: $MASTER_ADDR, else 127.0.0.1)",
+    )
+    g.add_argument(
+        "--distributed-master-port",
+        type=int,
+        default=None,
+        help="rendezvous port (default: $MASTER_PORT, else a free port)",
+    )
+    g.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective may wait for a rank before the engine fails (default 60)",
+    )
 
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +223,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_packs=tuple(args.kv_packs or ()),
         kv_cache_remote=args.kv_cache_remote,
         kv_cache_remote_timeout=args.kv_cache_remote_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_master_addr=args.distributed_master_addr,
+        distributed_master_port=args.distributed_master_port,
+        distributed_timeout=args.distributed_timeout,
         request_limits=RequestLimits(
             max_logprobs=args.max_logprobs,
             max_stop_strings=args.max_stop_strings,

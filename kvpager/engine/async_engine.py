@@ -113,8 +113,12 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the loop thread is alive and has not failed."""
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        """True while the loop thread is alive and has not failed (nor lost a tensor-parallel worker)."""
+        alive = self._thread is not None and self._thread.is_alive() and self._error is None
+        return alive and self._dead_reason() is None
+
+    def _dead_reason(self) -> str | None:
+        return getattr(self.engine, "dead_reason", None)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,6 +208,8 @@ class AsyncEngine:
             stream.abort()
 
     def _check_accepting(self, request_id: str) -> None:
+        if self._dead_reason() is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason()}")
         if self._error is not None or self._stopped or self._thread is None:
             raise EngineDeadError(f"the engine loop is not running ({self._error or 'stopped'})")
         if request_id in self._streams:

@@ -20,12 +20,14 @@ from kvpager.core.request import Request, RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler, SchedulerConfig
 from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
+from kvpager.engine.executor import TensorParallelExecutor
 from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
-from kvpager.engine.loading import LoadedModel, load, log_pool
+from kvpager.engine.loading import LoadedModel, load, log_pool, model_spec_of, resolve_device
 from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
 from kvpager.kvstore.pack import Pack, PackExpectation, PackModel
 from kvpager.kvstore.publisher import RemotePublisher
+from kvpager.model.parallel import TensorParallel
 from kvpager.worker.runner import ModelRunner
 from kvpager.worker.structured import GrammarCompiler
 
@@ -59,7 +61,14 @@ class Engine:
     """Paged-KV continuous-batching engine. See docs/internals.md for the contract."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.loaded = loaded if loaded is not None else load(config)
+        # NOTE: tensor parallelism: the workers start and join before anything loads (each loads its shard)
+        self.executor = self._start_executor(config, loaded)
+        try:
+            self.loaded = loaded if loaded is not None else load(config, self._parallel)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.abort()
+            raise
         lm = self.loaded
         self.config = lm.config if lm.config is not None else config  # NOTE: dtype resolved ("auto")
         self.tokenizer = lm.tokenizer
@@ -81,6 +90,8 @@ class Engine:
             fp32_matmul_precision=config.fp32_matmul_precision,
             seed=config.seed,
             grammar=self.grammar,
+            parallel=self._parallel,
+            on_step=self.executor.send_step if self.executor is not None else None,
         )
         tiers = build_tiers(config, lm.fingerprint)
         self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None
@@ -125,6 +136,25 @@ class Engine:
         ops = lm.model.ops
         kernels = getattr(ops, "kernels", None)
         logger.info("model math: %s ops%s", ops.name, f" (C++ kernels {kernels.path})" if kernels is not None else "")
+
+    @staticmethod
+    def _start_executor(config: EngineConfig, loaded: LoadedModel | None) -> TensorParallelExecutor | None:
+        if config.tensor_parallel_size == 1:
+            return None
+        if loaded is not None:
+            raise ValueError(
+                "a preloaded model cannot be used with tensor_parallel_size > 1 (each rank loads its shard)"
+            )
+        return TensorParallelExecutor(config, model_spec_of(config), resolve_device(config.device))
+
+    @property
+    def _parallel(self) -> TensorParallel | None:
+        return self.executor.parallel if self.executor is not None else None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker is gone), or None."""
+        return self.executor.dead_reason if self.executor is not None else None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -200,7 +230,12 @@ class Engine:
         sched_out = self.scheduler.schedule()
         if self.kv_store is not None:
             self.kv_store.wait_for_copies()  # NOTE: blocks evicted by schedule() are read before reuse
-        sampled = self.runner.execute(sched_out)  # NOTE: also when empty: it carries finished ids
+        try:
+            sampled = self.runner.execute(sched_out)  # NOTE: also when empty: it carries finished ids
+        except Exception as exc:
+            if self.executor is None:
+                raise
+            raise self.executor.failure(exc) from exc
         if self.kv_publisher is not None:
             self.kv_publisher.flush()
         if sched_out.is_empty:
@@ -337,6 +372,8 @@ class Engine:
         self.grammar.shutdown()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
+        if self.executor is not None:
+            self.executor.shutdown()
         if self.kv_store is None:
             return
         written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())

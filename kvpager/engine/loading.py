@@ -21,6 +21,7 @@ from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
 from kvpager.model.loader import DUMMY_STD, load_model, model_weight_bytes, quantized_weights_digest
+from kvpager.model.parallel import TensorParallel
 from kvpager.model.spec import ModelSpec, load_model_spec, spec_from_gguf
 from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
 from kvpager.text.tokenizer import Tokenizer
@@ -74,8 +75,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load(config: EngineConfig) -> LoadedModel:
-    """Load everything the engine needs, in the order that fails fastest on bad input."""
+def model_spec_of(config: EngineConfig) -> ModelSpec:
+    """The model's spec from config.json (or a GGUF file's metadata), without loading weights."""
+    model_dir = resolve_model_dir(config.model)
+    if config.load_format != "safetensors" and is_gguf_path(model_dir):
+        return spec_from_gguf(open_gguf(model_dir))
+    return load_model_spec(str(model_dir))
+
+
+def load(config: EngineConfig, parallel: TensorParallel | None = None) -> LoadedModel:
+    """Load everything the engine needs, in the order that fails fastest on bad input.
+
+    With `parallel` (tensor parallelism, every rank calls this) the model is this rank's shard, the
+    pool is sized from this rank's KV heads and every rank takes the smallest block count of all.
+    """
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model)
@@ -97,12 +110,16 @@ def load(config: EngineConfig) -> LoadedModel:
         gguf_model=gguf_model,
         quantization=config.quantization,
         quantization_group_size=config.resolved_quantization_group_size,
+        parallel=parallel,
     )
     model.eval()
     log_weight_format(config, spec, device)
     weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
-    pool = pool_size(spec.kv_shape(DTYPE_BYTES[config.resolved_kv_cache_dtype]), config.block_size, budget)
+    # NOTE: model.spec is this rank's shard (its KV heads) under tensor parallelism, else the model's
+    pool = pool_size(model.spec.kv_shape(DTYPE_BYTES[config.resolved_kv_cache_dtype]), config.block_size, budget)
+    if parallel is not None:
+        pool = replace(pool, num_blocks=parallel.min_int(pool.num_blocks))
     if pool.num_blocks < 1:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds no block of {pool.bytes_per_block} bytes; "
@@ -113,22 +130,19 @@ def load(config: EngineConfig) -> LoadedModel:
     elif gguf_model is not None:
         weights_digest = f"gguf:{gguf_model.digest()}"  # tensor data and hyper-parameters (kvpager.gguf)
     else:
-        weights_digest = weights_file_digest(model_dir)
+        # NOTE: only rank 0 names the KV (the other ranks of tensor parallelism never hash blocks)
+        weights_digest = weights_file_digest(model_dir) if parallel is None or parallel.rank == 0 else ""
     if config.quantization is not None:
         # NOTE: KV computed with quantized weights is not the float model's: the weights the fingerprint
         # names are the quantized ones (method, group size and a digest of the quantized bytes).
         group = config.resolved_quantization_group_size or "channel"
         weights_digest += f"+{config.quantization}-g{group}:{quantized_weights_digest(model)}"
-    fingerprint = model_fingerprint(
-        base_fingerprint_components(
-            config,
-            spec,
-            model_dir,
-            weights_digest,
-            tokenizer.tokenizer_digest(),
-            config_in_weights=gguf_model is not None,
-        )
+    components = base_fingerprint_components(
+        config, spec, model_dir, weights_digest, tokenizer.tokenizer_digest(), config_in_weights=gguf_model is not None
     )
+    if config.tensor_parallel_size > 1:  # NOTE: a rank's pool holds its KV heads only
+        components.append(("tensor_parallel_size", str(config.tensor_parallel_size)))
+    fingerprint = model_fingerprint(components)
     return LoadedModel(
         model_dir,
         spec,
@@ -198,8 +212,9 @@ def kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) -> 
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return default_cuda_kv_budget(free, total, config.gpu_memory_utilization, CUDA_ACTIVATION_RESERVE)
-    # Weights are already resident, so MemAvailable no longer counts them.
-    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction)
+    # Weights are already resident, so MemAvailable no longer counts them. NOTE: the ranks of a
+    # tensor-parallel engine started on one machine share its RAM, so each takes its share.
+    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction / config.tensor_parallel_size)
 
 
 def available_ram_bytes() -> int:

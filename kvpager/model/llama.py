@@ -18,6 +18,7 @@ from torch import nn
 from kvpager.model.attention import AttentionMetadata
 from kvpager.model.backends.ops import TorchOps
 from kvpager.model.backends.weight_layout import embedding_rows
+from kvpager.model.parallel import TensorParallel
 from kvpager.model.rope import RopeCache
 from kvpager.model.spec import ModelSpec
 
@@ -85,8 +86,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel | None = None) -> None:
         super().__init__()
+        self.parallel = parallel  # tensor parallel: o_proj and down_proj are row-parallel (sum over ranks)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -110,22 +112,29 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
         h = self.self_attn.forward(h, cos, sin, kv_layer, meta, ops)
+        if self.parallel is not None:
+            h = self.parallel.all_reduce(h)
         h, residual = ops.add_rms_norm(h, residual, norm2.weight, norm2.eps)
-        return self.mlp.forward(h, ops), residual
+        h = self.mlp.forward(h, ops)
+        if self.parallel is not None:
+            h = self.parallel.all_reduce(h)
+        return h, residual
 
 
 class CausalLM(nn.Module):
     """The decoder plus lm_head. Build on the meta device and fill with `load_state_dict(..., assign=True)`.
 
     Parameter names are transformers' except the fused `qkv_proj` / `gate_up_proj`. With tied
-    embeddings `lm_head.weight` is the embedding tensor itself.
+    embeddings `lm_head.weight` is the embedding tensor itself. With `parallel` (tensor parallelism)
+    `spec` is this rank's shard (`parallel.shard_spec`): its heads, MLP features and vocabulary rows.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.parallel = parallel
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, parallel) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rope: RopeCache | None = None
@@ -151,10 +160,15 @@ class CausalLM(nn.Module):
         self._check_window(attn_metadata)
         self.ops.begin_step()
         cos, sin = self.rope.lookup(positions)  # each [T, 1, head_dim // 2]
-        x = embedding_rows(self.embed_tokens.weight, input_ids)  # NOTE: the ops may store the table in blocks
+        if self.parallel is not None:
+            x = self.parallel.embed(self.embed_tokens.weight, input_ids)
+        else:
+            x = embedding_rows(self.embed_tokens.weight, input_ids)  # NOTE: the ops may store the table in blocks
         residual: torch.Tensor | None = None
         layers = cast(Sequence[Any], self.layers)  # a ModuleList: indexable, iterable
-        fused = self.ops.decode_layers(layers, self.spec, x, cos, sin, kv_cache, attn_metadata)
+        fused = None  # NOTE: the one-kernel decode has no all-reduce between layers
+        if self.parallel is None:
+            fused = self.ops.decode_layers(layers, self.spec, x, cos, sin, kv_cache, attn_metadata)
         if fused is not None:
             x, residual = fused
         else:
@@ -165,8 +179,9 @@ class CausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.ops.linear(hidden, self.lm_head.weight, None).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32 (tensor parallel: gathered on every rank)."""
+        logits = self.ops.linear(hidden, self.lm_head.weight, None).float()
+        return self.parallel.gather_logits(logits) if self.parallel is not None else logits
 
     def _check_window(self, meta: AttentionMetadata) -> None:
         window = self.spec.sliding_window

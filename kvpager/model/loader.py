@@ -28,8 +28,10 @@ from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
 from kvpager.model.gguf_weights import read_gguf_state
 from kvpager.model.llama import CausalLM
+from kvpager.model.parallel import TensorParallel, shard_spec
 from kvpager.model.safetensors_mmap import MappedSafetensors
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json, spec_from_gguf
+from kvpager.model.tp_shards import ShardPlan, shard_plan
 
 logger = logging.getLogger("kvpager")
 
@@ -68,6 +70,7 @@ def load_model(
     gguf_model: GGUFModel | None = None,
     quantization: str | None = None,
     quantization_group_size: int | None = None,
+    parallel: TensorParallel | None = None,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
 
@@ -80,6 +83,10 @@ def load_model(
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
     "auto"/"gguf" read a GGUF model when `model_dir` is a .gguf file or a directory holding one (or pass
     the already opened `gguf_model`); quantized tensors are dequantized to `dtype` (logged per type).
+
+    parallel: tensor parallelism; this rank loads only its shard (kvpager/model/tp_shards.py), sliced
+    from the mapped tensors before it is copied, and runs torch's ops (the fused kernels do not
+    all-reduce between layers).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -92,14 +99,13 @@ def load_model(
         raise ValueError(f"{str(model_dir)!r} is a GGUF model; use load_format 'auto' or 'gguf', not 'safetensors'")
     spec = spec_from_gguf(gguf_model) if gguf_model is not None else load_model_spec(model_dir)
     with torch.device("meta"):
-        model = CausalLM(spec)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    if spec.tie_word_embeddings:
-        expected.pop("lm_head.weight")
+        model = CausalLM(spec if parallel is None else shard_spec(spec, parallel.layout), parallel)
+        whole = model if parallel is None else CausalLM(spec)
+    expected, full_shapes = _expected_shapes(model, spec), _expected_shapes(whole, spec)
     files: list[MappedSafetensors] = []
     try:
         if load_format == "dummy":
-            sources = _dummy_sources(expected, seed)
+            sources = _dummy_sources(full_shapes, seed)
         elif gguf_model is not None:
             tensors, report = read_gguf_state(gguf_model, spec, dtype)
             for line in report.lines():
@@ -108,16 +114,17 @@ def load_model(
         else:
             files = [MappedSafetensors(p) for p in safetensors_files(Path(model_dir))]
             sources = _fuse(spec, _checkpoint_sources(files, spec))
-        _check_state({n: _fused_shape(s) for n, s in sources.items()}, expected, Path(model_dir))
+        _check_state({n: _fused_shape(s) for n, s in sources.items()}, full_shapes, Path(model_dir))
         state: dict[str, torch.Tensor] = {}
         packed: dict[str, PackedWeight] = {}
         for name in expected:  # NOTE: in the model's order (dummy weights draw from one generator)
+            parts = sources[name]
+            if parallel is not None:
+                parts = _shard(parts, shard_plan(name, spec, parallel.layout, parallel.rank))
             if quantization is not None and name.endswith(_PROJECTIONS):
-                packed[name] = cat_rows(
-                    [_quantized(s, quantization, quantization_group_size, device) for s in sources[name]]
-                )
+                packed[name] = cat_rows([_quantized(s, quantization, quantization_group_size, device) for s in parts])
             else:
-                state[name] = _materialise(sources[name], expected[name], dtype, device)
+                state[name] = _materialise(parts, expected[name], dtype, device)
     finally:
         for f in files:
             f.close()
@@ -127,10 +134,68 @@ def load_model(
     # NOTE: the model holds the tensors now; dropping the dict lets finish_loading's ops free each
     # weight as they replace it (kernel layouts), instead of holding two copies of every weight.
     del state, packed
+    if parallel is not None:
+        kernel_backend = "torch"  # NOTE: config validation refuses "cpu" with tensor parallelism
     model.finish_loading(dtype, device, select_ops(kernel_backend, dtype, kv_dtype or dtype, device))
     if dtype == torch.bfloat16 and device.type == "cpu" and quant_kernels_or_none() is not None:
         _wrap_bf16_linears(model)
     return model
+
+
+def _expected_shapes(model: CausalLM, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    if spec.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
+
+
+def _shard(parts: list[_Source], plan: ShardPlan | None) -> list[_Source]:
+    """The sources of this rank's shard: slices (views, nothing copied yet) of the fused tensor's parts.
+
+    NOTE: each part is read once however many slices it gives (a dummy part draws its values when read).
+    """
+    if plan is None:
+        return parts
+    if plan.zero:
+        shape = _fused_shape(parts)
+        return [_Source(shape, lambda: torch.zeros(shape))]
+    out: list[_Source] = []
+    offset = 0  # global index of the part's first row (dim 0; a dim-1 plan has one part)
+    for part in parts:
+        read = _read_once(part)
+        length = part.shape[plan.dim]
+        for start, end in plan.ranges:
+            a, b = max(start, offset) - offset, min(end, offset + length) - offset
+            if b > a:
+                out.append(_slice_source(part, read, plan.dim, a, b))
+        offset += length if plan.dim == 0 else 0
+    if plan.pad_rows:
+        pad = (plan.pad_rows, *parts[0].shape[1:])
+        out.append(_Source(pad, lambda: torch.zeros(pad)))
+    return out
+
+
+def _read_once(part: _Source) -> Callable[[], torch.Tensor]:
+    memo: list[torch.Tensor] = []
+
+    def read() -> torch.Tensor:
+        if not memo:
+            memo.append(part.read())
+        return memo[0]
+
+    return read
+
+
+def _slice_source(part: _Source, read: Callable[[], torch.Tensor], dim: int, a: int, b: int) -> _Source:
+    shape = tuple(b - a if d == dim else n for d, n in enumerate(part.shape))
+    if dim == 0:
+        return _Source(
+            shape,
+            lambda: read()[a:b],
+            lambda rows: part.release(None if rows is None else (a + rows[0], a + rows[1])),
+        )
+    # NOTE: a column slice is copied on its own (the shard only) so quantizers get a contiguous tensor
+    return _Source(shape, lambda: read()[:, a:b].contiguous(), part.release)
 
 
 def set_linear_weight(model: nn.Module, name: str, weight: PackedWeight) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.core.sizing import KVShape, pool_size
+from kvpager.core.tensor_parallel import tensor_parallel_layout
 from kvpager.planner import kvmath
 from kvpager.planner.devices import Device, Reserve, default_reserve
 from kvpager.planner.models import ModelFacts
@@ -43,11 +44,12 @@ class PlanOptions:
     dtype: str | None = None  # float32 | bfloat16 | float16 (None with quantization: bfloat16)
     quantization: str | None = None  # int8 | int4
     quantization_group_size: int | None = None
+    tensor_parallel_size: int = 1  # engine_*: one rank's pool (its KV heads), as `serve --tensor-parallel-size`
 
     def __post_init__(self) -> None:
         if (self.dtype is not None or self.quantization is not None) and self.weights is not None:
             raise ValueError("--weights and --dtype/--quantization both name a weight format: give one")
-        for name in ("context", "batch", "block_size"):
+        for name in ("context", "batch", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if (self.num_prompt_tokens is None) != (self.num_generated_tokens is None):
@@ -107,6 +109,8 @@ class Plan:
     attention_pairs_ratio: float | None = None
     engine_num_blocks: int | None = None
     engine_max_concurrency: int | None = None
+    tensor_parallel_size: int = 1
+    engine_kv_heads_per_rank: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -250,8 +254,14 @@ def _add_engine(plan: Plan, facts: ModelFacts, options: PlanOptions, kv_bytes: i
     if facts.mla is not None:
         plan.notes.append("the kvpager engine does not run MLA models: no engine block count")
         return
-    shape = KVShape(facts.num_layers, facts.num_kv_heads, facts.head_dim, kv_bytes)
+    # NOTE: the engine's own layout rule: a rank holds its share of the KV heads (or one, replicated)
+    layout = tensor_parallel_layout(
+        facts.num_heads, facts.num_kv_heads, facts.intermediate_size, facts.vocab_size, options.tensor_parallel_size
+    )
+    shape = KVShape(facts.num_layers, layout.kv_heads_per_rank, facts.head_dim, kv_bytes)
     pool = pool_size(shape, options.block_size, options.kv_cache_memory)
+    plan.tensor_parallel_size = options.tensor_parallel_size
+    plan.engine_kv_heads_per_rank = layout.kv_heads_per_rank
     plan.engine_num_blocks = pool.num_blocks
     plan.engine_max_concurrency = pool.max_concurrency(plan.max_model_len)
     if plan.sliding_window_layers:

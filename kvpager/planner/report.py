@@ -100,8 +100,11 @@ def _pairs_lines(plan: Plan) -> list[str]:
 def _engine_lines(plan: Plan) -> list[str]:
     if plan.engine_num_blocks is None:
         return []
+    per_rank = ""
+    if plan.tensor_parallel_size > 1:
+        per_rank = f" per rank of {plan.tensor_parallel_size} ({plan.engine_kv_heads_per_rank} KV heads each)"
     return [
-        f"engine     {plan.engine_num_blocks:,} KV blocks of {plan.block_size} tokens;"
+        f"engine     {plan.engine_num_blocks:,} KV blocks of {plan.block_size} tokens{per_rank};"
         f" max concurrency at max_model_len {plan.max_model_len:,}: {plan.engine_max_concurrency:,}"
     ]
 

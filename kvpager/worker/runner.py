@@ -5,10 +5,17 @@ seeded generator), kept up to date from the scheduler's frozen `SchedulerOutput`
 arrive once with their prompt, parameters and block table; each step brings only diffs (new block
 ids, preempted and finished ids). It returns sampled token ids and never touches scheduler or
 request objects.
+
+Tensor parallelism: every rank runs a runner over its shard of the model and of the KV pool (same
+block ids everywhere). Rank 0's (the driver) hands each step to `on_step` first (the engine
+broadcasts it with the tokens sampled in the previous step) and samples; the others (followers)
+run the same forward and collectives, then learn the sampled tokens from the next message
+(`apply_sampled`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +28,7 @@ from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import NewRequestData, SchedulerOutput
 from kvpager.model.attention import AttentionMetadata, allocate_kv_cache, build_attention_metadata
 from kvpager.model.llama import CausalLM
+from kvpager.model.parallel import TensorParallel
 from kvpager.model.precision import fp32_matmul_precision
 from kvpager.model.spec import ModelSpec
 from kvpager.worker.prompt_logprobs import store_prompt_logprobs
@@ -66,15 +74,22 @@ class ModelRunner:
         fp32_matmul_precision: str = "highest",
         seed: int | None = 0,
         grammar: GrammarCompiler | None = None,
+        parallel: TensorParallel | None = None,
+        on_step: Callable[[SchedulerOutput, dict[RequestId, int]], None] | None = None,
     ) -> None:
         self.model = model
+        self.parallel = parallel
+        self.is_driver = parallel is None or parallel.rank == 0
+        self.on_step = on_step  # driver under tensor parallelism: broadcast (step, last step's tokens)
+        self._unsent: dict[RequestId, int] = {}  # tokens sampled since the last `on_step`
         self.spec = spec
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.fp32_matmul_precision = fp32_matmul_precision
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, device)
+        # NOTE: model.spec, not spec: under tensor parallelism it holds this rank's KV heads only
+        self.kv_cache = allocate_kv_cache(model.spec, num_blocks, block_size, kv_dtype, device)
         # unseeded requests draw from one generator seeded by the engine's --seed (vLLM's meaning)
         self.sampler = Sampler(seed)
         self.grammar = grammar
@@ -100,18 +115,30 @@ class ModelRunner:
     def _add_row(self, new: NewRequestData) -> None:
         params: SamplingParams = new.sampling_params
         generator = None
-        if params.seed is not None:
+        if params.seed is not None and self.is_driver:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         stop_ids = tuple(params.stop_token_ids or ())
         row = _RowState(params, list(new.prompt_token_ids), [], generator, stop_ids, list(new.block_ids))
-        if params.structured is not None:
+        if params.structured is not None and self.is_driver:
             # NOTE: the engine compiled (and so validated) the grammar before admitting the request
             assert self.grammar is not None, "structured output needs a grammar compiler (llguidance)"
             row.matcher = self.grammar.matcher(params.structured)
         if params.prompt_logprobs is not None:
             row.prompt_logprobs = {}
         self._rows[new.request_id] = row
+
+    def apply_sampled(self, sampled: dict[RequestId, int]) -> None:
+        """Follower: append the tokens the driver sampled (the driver's runner did so in `_sample`).
+
+        NOTE: the driver's engine takes a row's prompt logprobs when its first token is sampled; a
+        follower marks them taken then too, so both compute prompt logits for the same rows.
+        """
+        for request_id, token_id in sampled.items():
+            row = self._rows.get(request_id)
+            if row is not None:
+                row.output_token_ids.append(token_id)
+                row.prompt_logprobs_taken = row.prompt_logprobs is not None or row.prompt_logprobs_taken
 
     def take_prompt_logprobs(self, request_id: str) -> list[PositionLogprobs | None] | None:
         """The prompt logprobs of a request whose prefill is complete, once (None first: no context)."""
@@ -127,15 +154,26 @@ class ModelRunner:
 
         NOTE: a view of the pool: encode or copy it before the block is reused.
         """
+        self._check_whole_pool()
         return self.kv_cache[:, :, block_id]
 
     def write_block(self, block_id: int, block: torch.Tensor) -> None:
         """Copy `block` ([num_layers, 2, block_size, num_kv_heads, head_dim], any device) into the pool."""
+        self._check_whole_pool()
         self.kv_cache[:, :, block_id].copy_(block)
+
+    def _check_whole_pool(self) -> None:
+        if self.parallel is not None:
+            raise ValueError(
+                "KV blocks cannot be read or written with tensor parallelism yet (each rank holds a shard)"
+            )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[RequestId, SampledToken]:
         """Apply the step's diffs to the runner's state, then run its batch (if any) and sample."""
+        if self.on_step is not None:
+            self.on_step(out, self._unsent)
+            self._unsent = {}
         self._update_states(out)
         if not out.scheduled:
             return {}
@@ -160,6 +198,8 @@ class ModelRunner:
             return {}
         index = torch.tensor(ends, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))  # [S, vocab] fp32
+        if not self.is_driver:
+            return {}  # NOTE: rank 0 samples; the tokens arrive with the next step
         return self._sample(sample_ids, logits)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -195,6 +235,8 @@ class ModelRunner:
             if row.matcher is not None:
                 advance(row.matcher, token_ids[i])
             sampled[rid] = SampledToken(token_ids[i], lp)
+            if self.on_step is not None:
+                self._unsent[rid] = token_ids[i]
         return sampled
 
     def _sampling_row(self, request_id: str) -> SamplingRow:

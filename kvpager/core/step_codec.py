@@ -1,0 +1,97 @@
+"""The tensor-parallel step message: a `SchedulerOutput` plus the tokens sampled last step, as JSON bytes.
+
+Rank 0 runs the scheduler and samples; every other rank runs the same forward on its shard. Each
+step rank 0 sends them one `StepMessage` (docs/scale-out.md): the plain-data `SchedulerOutput` and
+the tokens it sampled in the previous step (so each rank's runner keeps every request's tokens, as
+rank 0's does). JSON, never pickle: a message can only ever become these dataclasses. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvpager.core.hashing import RequestId
+from kvpager.core.sampling_params import SamplingParams, StructuredOutputSpec
+from kvpager.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+
+OP_STEP = "step"
+OP_STOP = "stop"
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One broadcast from rank 0: run `output` (op "step") or exit (op "stop")."""
+
+    op: str
+    output: SchedulerOutput | None = None
+    sampled: dict[RequestId, int] = field(default_factory=dict)  # last step's tokens, request id -> token
+
+
+def encode_step(message: StepMessage) -> bytes:
+    """UTF-8 JSON of the message."""
+    doc: dict[str, Any] = {"op": message.op, "sampled": [[rid, tok] for rid, tok in message.sampled.items()]}
+    if message.output is not None:
+        doc["output"] = _encode_output(message.output)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def decode_step(payload: bytes) -> StepMessage:
+    """The message `encode_step` wrote; ValueError on anything else."""
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+        op = doc["op"]
+        if op not in (OP_STEP, OP_STOP):
+            raise ValueError(f"unknown op {op!r}")
+        sampled = {RequestId(str(rid)): int(tok) for rid, tok in doc["sampled"]}
+        output = _decode_output(doc["output"]) if "output" in doc else None
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed tensor-parallel step message: {exc}") from exc
+    return StepMessage(op, output, sampled)
+
+
+def _encode_output(out: SchedulerOutput) -> dict[str, Any]:
+    return {
+        "scheduled": [
+            [s.request_id, s.num_tokens, s.start_position, list(s.new_block_ids), s.needs_sample] for s in out.scheduled
+        ],
+        "new": [
+            [n.request_id, list(n.prompt_token_ids), _encode_params(n.sampling_params), list(n.block_ids)]
+            for n in out.new_requests
+        ],
+        "preempted": list(out.preempted_ids),
+        "finished": list(out.finished_ids),
+    }
+
+
+def _decode_output(doc: dict[str, Any]) -> SchedulerOutput:
+    scheduled = tuple(
+        ScheduledRequest(RequestId(str(rid)), int(n), int(start), tuple(int(b) for b in blocks), bool(sample))
+        for rid, n, start, blocks, sample in doc["scheduled"]
+    )
+    new = tuple(
+        NewRequestData(
+            RequestId(str(rid)), tuple(int(t) for t in prompt), _decode_params(params), tuple(int(b) for b in blocks)
+        )
+        for rid, prompt, params, blocks in doc["new"]
+    )
+    preempted = tuple(RequestId(str(r)) for r in doc["preempted"])
+    finished = tuple(RequestId(str(r)) for r in doc["finished"])
+    return SchedulerOutput(scheduled, new, preempted, finished)
+
+
+def _encode_params(params: SamplingParams) -> dict[str, Any]:
+    doc = asdict(params)
+    if params.logit_bias is not None:
+        doc["logit_bias"] = [[k, v] for k, v in params.logit_bias.items()]  # NOTE: JSON keys are strings
+    return doc
+
+
+def _decode_params(doc: dict[str, Any]) -> SamplingParams:
+    fields = dict(doc)
+    if fields.get("logit_bias") is not None:
+        fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"]}
+    if fields.get("structured") is not None:
+        fields["structured"] = StructuredOutputSpec(**fields["structured"])
+    return SamplingParams(**fields)
