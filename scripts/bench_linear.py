@@ -89,7 +89,10 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
         n = _copies(nbytes, min_mb)
         ps = [(packed.clone(), sz.clone()) for _ in range(n)]
         return Candidate(
-            f"torch_int4_g{group}", nbytes, lambda x, i: torch._weight_int4pack_mm_for_cpu(x, ps[i][0], group, ps[i][1]), n
+            f"torch_int4_g{group}",
+            nbytes,
+            lambda x, i: torch._weight_int4pack_mm_for_cpu(x, ps[i][0], group, ps[i][1]),
+            n,
         )
     raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
 
@@ -121,7 +124,7 @@ def time_abba(cands: list[Candidate], x: torch.Tensor, rounds: int, min_s: float
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,4,16,64")
@@ -133,7 +136,7 @@ def main() -> None:
     parser.add_argument("--min-mb", type=int, default=64, help="MiB of weight copies per candidate")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round (a smoke test)")
     parser.add_argument("--json-out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.rows, args.rounds, args.min_s, args.min_mb = "256x64,96x160", "1,3", 2, 0.002, 1
     torch.set_num_threads(args.threads)
@@ -159,13 +162,22 @@ def main() -> None:
                 pct = 100 * gbs / probe_gbs[c.nbytes]
                 print(f"{k:>5} x {n:<5} {m:>3} {c.name:>16} {t * 1e6:>10.1f} {gbs:>7.2f} {gflops:>8.1f} {pct:>6.0f}%")
                 results.append(
-                    {"K": k, "N": n, "M": m, "candidate": c.name, "seconds": t, "GBps": gbs, "GFLOPs": gflops,
-                     "read_probe_GBps": probe_gbs[c.nbytes]}  # fmt: skip
+                    {
+                        "K": k,
+                        "N": n,
+                        "M": m,
+                        "candidate": c.name,
+                        "seconds": t,
+                        "GBps": gbs,
+                        "GFLOPs": gflops,
+                        "read_probe_GBps": probe_gbs[c.nbytes],
+                    }  # fmt: skip
                 )
         del cands, probes
     _print_model_estimate(results, rows)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return 0
 
 
 def _print_model_estimate(results: list[dict[str, object]], rows: list[int]) -> None:
@@ -181,4 +193,4 @@ def _print_model_estimate(results: list[dict[str, object]], rows: list[int]) -> 
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,7 +27,8 @@ from kvpager.model.backends.quant_weights import (
     cat_rows,
 )
 
-BATCHES = [1, 2, 3, 16, 64]  # 1-2: in registers; 3-16: the L1 tile; 64: dequantize in chunks + torch's GEMM
+# 1-2: in registers; 3-KERNEL_MAX_ROWS: the shared L1 tile; beyond: dequantize in chunks + torch's GEMM
+BATCHES = [1, 2, 3, 16, 64, KERNEL_MAX_ROWS + 1]
 SHAPES = [(37, 100), (64, 256), (530, 129)]  # N not a multiple of any tile; K not a multiple of the group
 FORMATS = {
     "bf16": lambda w: Bf16Weight(w.to(torch.bfloat16)),

@@ -45,6 +45,7 @@ def max_level_from_env() -> int:
     """The highest path $KVPAGER_KERNEL_ISA allows: "portable" caps at the portable path."""
     return LEVEL_PORTABLE if requested_isa() == "portable" else LEVEL_AVX512
 
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[list[object], object]] = {
@@ -62,20 +63,17 @@ class QuantKernels:
     linear: Any
     dequant: Any
     level: Any
+    best_level: int  # the best path this CPU has (kvq_level uncapped), read once at load
 
     @property
     def default_level(self) -> int:
         """The path a weight takes by default: the best this CPU has, capped by $KVPAGER_KERNEL_ISA."""
-        return int(self.level(max_level_from_env()))
+        return min(self.best_level, max_level_from_env())
 
     def describe(self) -> str:
         """One line for the start-up log: which code path the packed-weight linear takes, and why."""
-        chosen, best = self.default_level, int(self.level(LEVEL_AVX512))
-        why = (
-            "the best this CPU has"
-            if chosen == best
-            else f"{ISA_ENV}=portable; this CPU has {LEVEL_NAMES[best]}"
-        )
+        chosen, best = self.default_level, self.best_level
+        why = "the best this CPU has" if chosen == best else f"{ISA_ENV}=portable; this CPU has {LEVEL_NAMES[best]}"
         return f"{LEVEL_NAMES[chosen]} kernel ({why}; dequantize in registers, float32 accumulation)"
 
 
@@ -120,7 +118,7 @@ def load_quant_kernels() -> QuantKernels:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = restype
-    kernels = QuantKernels(path, lib.kvq_linear, lib.kvq_dequant, lib.kvq_level)
+    kernels = QuantKernels(path, lib.kvq_linear, lib.kvq_dequant, lib.kvq_level, int(lib.kvq_level(LEVEL_AVX512)))
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels
 

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 
 from kvpager.model.backends.quant_kernels import FMT_BF16, FMT_INT4, FMT_INT8, QuantKernels, quant_kernels_or_none
 
-KERNEL_MAX_ROWS = 32  # beyond this many input rows torch's float32 GEMM on dequantized chunks wins
+# up to this many input rows the kernel's shared L1 tile beat dequantize + torch's float32 GEMM (2048 x 2048,
+# every format, 32-128 rows); beyond it the GEMM path amortises the dequantization over the rows
+KERNEL_MAX_ROWS = 128
+NATIVE_BF16_MIN_ROWS = 16  # from this many rows oneDNN's bf16 GEMM (AMX / AVX512-BF16) takes a bf16 weight
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
 QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
@@ -149,7 +152,7 @@ class Bf16Weight(PackedWeight):
         return self.weight.to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, self.in_features).shape[0] > KERNEL_MAX_ROWS and _native_bf16():
+        if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_MIN_ROWS and _native_bf16():
             return F.linear(x.to(torch.bfloat16), self.weight, bias).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
         return super().matmul(x, bias)
 
