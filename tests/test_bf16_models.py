@@ -123,9 +123,9 @@ def test_bf16_linear_kernel_and_torch_fallback_agree(bf16_checkpoints: dict[str,
         pytest.skip("no C++ compiler here: bf16 linears run in torch (nothing to compare)")
     x = torch.randn(3, weight.in_features).to(torch.bfloat16)
     ref = torch.nn.functional.linear(x.float(), weight.weight.float())
-    for portable in (False, True):
-        weight.force_portable = portable
+    for level in (None, 0):  # None: the CPU's best path; 0: the portable one
+        weight.max_level = level
         got = weight.matmul(x, None)
         assert got.dtype == torch.bfloat16
         assert torch.allclose(got.float(), ref, rtol=BF16_STEP, atol=1e-6)
-    weight.force_portable = False
+    weight.max_level = None

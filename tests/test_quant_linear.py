@@ -16,7 +16,7 @@ import torch
 
 from kvpager.model.backends import quant_weights
 from kvpager.model.backends.kernels.build import KernelBuildError
-from kvpager.model.backends.quant_kernels import load_quant_kernels
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels
 from kvpager.model.backends.quant_weights import (
     DEQUANT_CHUNK_ROWS,
     KERNEL_MAX_ROWS,
@@ -27,7 +27,8 @@ from kvpager.model.backends.quant_weights import (
     cat_rows,
 )
 
-BATCHES = [1, 3, 16, 64]  # 1-16: the kernel; 64: dequantize in chunks + torch's GEMM
+# 1-2: in registers; 3-KERNEL_MAX_ROWS: the shared L1 tile; beyond: dequantize in chunks + torch's GEMM
+BATCHES = [1, 2, 3, 16, 64, KERNEL_MAX_ROWS + 1]
 SHAPES = [(37, 100), (64, 256), (530, 129)]  # N not a multiple of any tile; K not a multiple of the group
 FORMATS = {
     "bf16": lambda w: Bf16Weight(w.to(torch.bfloat16)),
@@ -54,17 +55,27 @@ def _assert_float32_exact(out: torch.Tensor, x: torch.Tensor, weight: PackedWeig
     assert excess <= 0, f"off by more than float32 rounding ({excess:.3e} over the bound)"
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+LEVELS = {"avx512": LEVEL_AVX512, "avx2": LEVEL_AVX2, "portable": LEVEL_PORTABLE}
+
+
+def _level_or_skip(name: str) -> int:
+    _kernels_or_skip()
+    if load_quant_kernels().level(LEVELS[name]) != LEVELS[name]:
+        pytest.skip(f"this CPU has no {name} path (it runs the next path down, tested under its own name)")
+    return LEVELS[name]
+
+
+@pytest.mark.parametrize("isa", list(LEVELS))
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_packed_linear_equals_dequantize_then_matmul_to_float32_rounding(
-    fmt: str, shape: tuple[int, int], portable: bool
+    fmt: str, shape: tuple[int, int], isa: str
 ) -> None:
-    _kernels_or_skip()
+    level = _level_or_skip(isa)
     gen = torch.Generator().manual_seed(10 * list(FORMATS).index(fmt) + SHAPES.index(shape))
     n, k = shape
     weight = FORMATS[fmt](torch.randn(n, k, generator=gen) * 0.05)
-    weight.force_portable = portable
+    weight.max_level = level
     bias = torch.randn(n, generator=gen)
     for rows in BATCHES:
         x = torch.randn(rows, k, generator=gen)
@@ -138,11 +149,29 @@ def test_malformed_packed_weights_are_refused_with_the_reason() -> None:
         Bf16Weight(torch.zeros(3, 3))
 
 
-def test_the_kernel_path_follows_the_cpu_features() -> None:
+def test_the_kernel_path_follows_the_cpu_features_and_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     _kernels_or_skip()
     kernels = load_quant_kernels()
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    has_avx2 = {"avx2", "fma"} <= set(flags.split())
-    assert kernels.avx2 == has_avx2
-    assert kernels.avx2_path(1) == 0  # the portable path can always be forced
-    assert ("AVX2" in kernels.describe()) == has_avx2
+    flags = set(
+        next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+    )
+    best = (
+        LEVEL_AVX512
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+        else LEVEL_AVX2
+        if {"avx2", "fma"} <= flags
+        else LEVEL_PORTABLE
+    )
+    monkeypatch.delenv("KVPAGER_KERNEL_ISA", raising=False)
+    assert kernels.default_level == best and kernels.level(LEVEL_PORTABLE) == LEVEL_PORTABLE
+    line = kernels.describe()
+    assert line.startswith({LEVEL_AVX512: "AVX-512", LEVEL_AVX2: "AVX2+FMA", LEVEL_PORTABLE: "portable"}[best])
+    assert "the best this CPU has" in line
+    monkeypatch.setenv("KVPAGER_KERNEL_ISA", "portable")  # the switch the other kernels take too
+    assert kernels.default_level == LEVEL_PORTABLE
+    assert kernels.describe().startswith("portable C++ kernel")
+    if best != LEVEL_PORTABLE:
+        assert "KVPAGER_KERNEL_ISA=portable" in kernels.describe()
+    w = Int4Weight.from_float(torch.randn(20, 70) * 0.1, 32)  # the weights follow the switch per call
+    x = torch.randn(2, 70)
+    _assert_float32_exact(w.matmul(x, None), x, w, None)

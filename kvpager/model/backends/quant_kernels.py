@@ -1,10 +1,15 @@
 """Build and load the packed-weight linear kernels (kernels/quant.cpp) with the system compiler.
 
-A library of its own beside kernels/build.py's: it is compiled without -march=native (the AVX2 + FMA
-code carries target attributes and is chosen at run time from the CPU's feature bits), so the same
-binary runs on any x86-64 CPU and the portable path can be forced for tests. Cached under the same
-directory as the other kernels, keyed by source, flags and compiler. `load_quant_kernels()` raises
-KernelBuildError (with the reason) when there is no compiler; the weight classes then run in torch.
+A library of its own beside kernels/build.py's: it is compiled without -march=native (the AVX-512 and
+AVX2 + FMA code carry target pragmas and are chosen at run time from the CPU's feature bits), so the
+same binary runs on any x86-64 CPU and a lower path can be forced. The path is capped by
+`$KVPAGER_KERNEL_ISA` ("portable": the portable C++ path, the other kernels' switch too) or per weight
+(`PackedWeight.max_level`, tests). Cached under the same directory as the other kernels, keyed by
+sources, flags and compiler. `load_quant_kernels()` raises KernelBuildError (with the reason) when
+there is no compiler; the weight classes then run in torch.
+
+-ffp-contract=off: the buffered path dequantizes with the same float32 multiply and add as the torch
+reference (`dequantize()`), never a fused multiply-add the compiler chose.
 """
 
 from __future__ import annotations
@@ -20,46 +25,63 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpager.model.backends.kernels.build import KernelBuildError, _compiler, cache_dir
+from kvpager.model.backends.kernels.build import ISA_ENV, KernelBuildError, _compiler, cache_dir, requested_isa
 
 logger = logging.getLogger("kvpager")
 
-SOURCE = Path(__file__).parent / "kernels" / "quant.cpp"
-FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
+KERNEL_DIR = Path(__file__).parent / "kernels"
+SOURCE = KERNEL_DIR / "quant.cpp"
+INCLUDES = (KERNEL_DIR / "quant_simd.h", KERNEL_DIR / "quant_body.inc")
+FLAGS = (
+    "-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi",
+    "-shared", "-fPIC", "-std=c++17",
+)  # fmt: skip
 FMT_BF16, FMT_INT8, FMT_INT4 = 0, 1, 2
+LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512 = 0, 1, 2
+LEVEL_NAMES = {LEVEL_AVX512: "AVX-512", LEVEL_AVX2: "AVX2+FMA", LEVEL_PORTABLE: "portable C++"}
+
+
+def max_level_from_env() -> int:
+    """The highest path $KVPAGER_KERNEL_ISA allows: "portable" caps at the portable path."""
+    return LEVEL_PORTABLE if requested_isa() == "portable" else LEVEL_AVX512
+
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: dict[str, tuple[list[object], object]] = {
-    "kvq_avx2_path": ([_I], ctypes.c_int64),
+    "kvq_level": ([_I], ctypes.c_int64),
     "kvq_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], None),
-    "kvq_dequant": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I], None),
+    "kvq_dequant": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I], None),
 }
 
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """The loaded library; `avx2` says which path kvq_linear takes on this CPU."""
+    """The loaded library; `level(cap)` says which path kvq_linear takes on this CPU under a cap."""
 
     path: Path
     linear: Any
     dequant: Any
-    avx2_path: Any
+    level: Any
+    best_level: int  # the best path this CPU has (kvq_level uncapped), read once at load
 
     @property
-    def avx2(self) -> bool:
-        return bool(self.avx2_path(0))
+    def default_level(self) -> int:
+        """The path a weight takes by default: the best this CPU has, capped by $KVPAGER_KERNEL_ISA."""
+        return min(self.best_level, max_level_from_env())
 
     def describe(self) -> str:
-        """One line for the start-up log: which code path the packed-weight linear takes."""
-        if self.avx2:
-            return "AVX2+FMA kernel (dequantize in registers, float32 accumulation)"
-        return "portable C++ kernel (this CPU lacks AVX2+FMA; float32 accumulation)"
+        """One line for the start-up log: which code path the packed-weight linear takes, and why."""
+        chosen, best = self.default_level, self.best_level
+        why = "the best this CPU has" if chosen == best else f"{ISA_ENV}=portable; this CPU has {LEVEL_NAMES[best]}"
+        return f"{LEVEL_NAMES[chosen]} kernel ({why}; dequantize in registers, float32 accumulation)"
 
 
 def _build() -> Path:
     compiler = _compiler()
     h = hashlib.sha256(SOURCE.read_bytes())
+    for include in INCLUDES:
+        h.update(include.read_bytes())
     h.update(" ".join(FLAGS).encode() + b"\0" + compiler.encode())
     out_dir = cache_dir() / f"quant-{h.hexdigest()[:16]}"
     target = out_dir / "libkvpager_quant.so"
@@ -96,7 +118,7 @@ def load_quant_kernels() -> QuantKernels:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = restype
-    kernels = QuantKernels(path, lib.kvq_linear, lib.kvq_dequant, lib.kvq_avx2_path)
+    kernels = QuantKernels(path, lib.kvq_linear, lib.kvq_dequant, lib.kvq_level, int(lib.kvq_level(LEVEL_AVX512)))
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels
 

@@ -12,9 +12,9 @@ weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internal
   `Int4Weight.from_codes(q, d.float(), -8 * d.float(), 32)` exactly, Q4_1 (w = q * d + m) too.
 
 `matmul`: on the CPU with the kernels (kernels/quant.cpp) up to KERNEL_MAX_ROWS input rows read the
-packed bytes directly (dequantize in registers, float32 accumulation); larger batches dequantize
-DEQUANT_CHUNK_ROWS output rows at a time into float32 and run torch's GEMM (the dequantization cost is
-shared by every row). Elsewhere (CUDA, no compiler) the whole weight is dequantized per call: correct,
+packed bytes directly (1-2 rows: dequantize in registers; more: an L1 tile dequantized once and used
+by every row; float32 accumulation); larger batches (prefill) dequantize DEQUANT_CHUNK_ROWS output
+rows at a time into float32 and run torch's GEMM (the dequantization cost is shared by every row). Elsewhere (CUDA, no compiler) the whole weight is dequantized per call: correct,
 not fast. `dequantize()` is the torch reference the tests hold the kernels to.
 """
 
@@ -25,9 +25,12 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from kvpager.model.backends.quant_kernels import FMT_BF16, FMT_INT4, FMT_INT8, quant_kernels_or_none
+from kvpager.model.backends.quant_kernels import FMT_BF16, FMT_INT4, FMT_INT8, QuantKernels, quant_kernels_or_none
 
-KERNEL_MAX_ROWS = 16  # the kernel re-reads each cached weight row per 4 input rows: beyond 16, GEMM wins
+# up to this many input rows the kernel's shared L1 tile beat dequantize + torch's float32 GEMM (2048 x 2048,
+# every format, 32-128 rows); beyond it the GEMM path amortises the dequantization over the rows
+KERNEL_MAX_ROWS = 128
+NATIVE_BF16_MIN_ROWS = 16  # from this many rows oneDNN's bf16 GEMM (AMX / AVX512-BF16) takes a bf16 weight
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
 QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
@@ -43,7 +46,8 @@ class PackedWeight:
     method: str
 
     def __init__(self) -> None:
-        self.force_portable = False  # tests: run the portable kernel path on an AVX2 CPU
+        # the highest kernel path to take (quant_kernels.LEVEL_*); None: the default (CPU, $KVPAGER_KERNEL_ISA)
+        self.max_level: int | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -100,11 +104,14 @@ class PackedWeight:
                 b.data_ptr() if b is not None else None,
                 out.data_ptr(),
                 torch.get_num_threads(),
-                int(self.force_portable),
+                self._level(kernels),
             )
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _gemm(self, x2: torch.Tensor, kernels: object) -> torch.Tensor:
+    def _level(self, kernels: QuantKernels) -> int:
+        return kernels.default_level if self.max_level is None else self.max_level
+
+    def _gemm(self, x2: torch.Tensor, kernels: QuantKernels) -> torch.Tensor:
         """Large batches: dequantize DEQUANT_CHUNK_ROWS output rows at a time, torch's GEMM on each."""
         xf = x2.float().contiguous()
         out = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
@@ -114,9 +121,9 @@ class PackedWeight:
         for n0 in range(0, self.out_features, chunk):
             n1 = min(self.out_features, n0 + chunk)
             buf = scratch[: n1 - n0]
-            kernels.dequant(  # type: ignore[attr-defined]
+            kernels.dequant(
                 self.fmt, w, scales, offsets, self.out_features, self.in_features, self.group_size,
-                n0, n1, buf.data_ptr(), torch.get_num_threads(),
+                n0, n1, buf.data_ptr(), torch.get_num_threads(), self._level(kernels),
             )  # fmt: skip
             out[:, n0:n1] = F.linear(xf, buf)
         return out
@@ -145,7 +152,7 @@ class Bf16Weight(PackedWeight):
         return self.weight.to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, self.in_features).shape[0] > KERNEL_MAX_ROWS and _native_bf16():
+        if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_MIN_ROWS and _native_bf16():
             return F.linear(x.to(torch.bfloat16), self.weight, bias).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
         return super().matmul(x, bias)
 

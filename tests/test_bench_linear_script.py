@@ -1,0 +1,28 @@
+"""scripts/bench_linear.py times every weight format against its read probe and reports what it promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_linear.py"
+
+
+@pytest.mark.slow
+def test_bench_linear_reports_every_format_shape_and_batch(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_linear", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # NOTE: its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    out = tmp_path / "linear.json"
+    assert module.main(["--quick", "--threads", "1", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    names = {r["candidate"] for r in rows}
+    assert names == {"f32", "bf16", "int8", "int4_g32", "torch_int8", "torch_int4_g32"}
+    assert {(r["K"], r["N"], r["M"]) for r in rows} == {(k, n, m) for k, n in ((256, 64), (96, 160)) for m in (1, 3)}
+    assert all(r["GBps"] > 0 and r["GFLOPs"] > 0 and r["read_probe_GBps"] > 0 for r in rows)
