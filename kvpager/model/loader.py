@@ -26,7 +26,8 @@ from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
-from kvpager.model.gguf_weights import read_gguf_state
+from kvpager.model.gguf_packed import DenseWeight, stack_rows
+from kvpager.model.gguf_weights import GGUFWeights
 from kvpager.model.llama import CausalLM
 from kvpager.model.safetensors_mmap import MappedSafetensors
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json, spec_from_gguf
@@ -54,6 +55,7 @@ class _Source:
     read: Callable[[], torch.Tensor]
     release: Callable[[tuple[int, int] | None], None] = lambda rows: None  # rows (first, end) or all
     owned: bool = False  # read() is an in-memory tensor the model may keep as it is
+    packed: Callable[[], PackedWeight] | None = None  # the tensor's own packed form (GGUF blocks), if any
 
 
 def load_model(
@@ -68,6 +70,7 @@ def load_model(
     gguf_model: GGUFModel | None = None,
     quantization: str | None = None,
     quantization_group_size: int | None = None,
+    gguf_dequantize: bool = False,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
 
@@ -79,7 +82,9 @@ def load_model(
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
     "auto"/"gguf" read a GGUF model when `model_dir` is a .gguf file or a directory holding one (or pass
-    the already opened `gguf_model`); quantized tensors are dequantized to `dtype` (logged per type).
+    the already opened `gguf_model`). Its quantized linear weights run in their packed form on a CPU with
+    the packed-weight kernels (kvpager.model.gguf_packed), unless `gguf_dequantize` or `quantization`
+    (which requantizes); other tensors are dequantized to `dtype`. Logged per ggml type.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -97,14 +102,22 @@ def load_model(
     if spec.tie_word_embeddings:
         expected.pop("lm_head.weight")
     files: list[MappedSafetensors] = []
+    gguf: GGUFWeights | None = None
     try:
         if load_format == "dummy":
             sources = _dummy_sources(expected, seed)
         elif gguf_model is not None:
-            tensors, report = read_gguf_state(gguf_model, spec, dtype)
-            for line in report.lines():
-                logger.info("GGUF weights %s", line)
-            sources = _fuse(spec, {n: _owned_source(tensors, n) for n in list(tensors)})
+            kernels = device.type == "cpu" and quant_kernels_or_none() is not None
+            gguf = GGUFWeights(
+                gguf_model,
+                spec,
+                dtype,
+                native=kernels and not gguf_dequantize,
+                not_native_reason="floats asked for" if kernels else f"no packed-weight kernels on {device.type}",
+                quantization=quantization,
+                quantization_group_size=quantization_group_size,
+            )
+            sources = _fuse(spec, {n: _gguf_source(gguf, n, shape) for n, shape in gguf.shapes().items()})
         else:
             files = [MappedSafetensors(p) for p in safetensors_files(Path(model_dir))]
             sources = _fuse(spec, _checkpoint_sources(files, spec))
@@ -116,11 +129,16 @@ def load_model(
                 packed[name] = cat_rows(
                     [_quantized(s, quantization, quantization_group_size, device) for s in sources[name]]
                 )
+            elif any(s.packed is not None for s in sources[name]):  # GGUF blocks executed as they are
+                packed[name] = stack_rows([s.packed() if s.packed else DenseWeight(s.read()) for s in sources[name]])
             else:
                 state[name] = _materialise(sources[name], expected[name], dtype, device)
     finally:
         for f in files:
             f.close()
+    if gguf is not None:
+        for line in gguf.report_lines():
+            logger.info("GGUF weights %s", line)
     model.load_state_dict(state, strict=False, assign=True)
     for name, weight in packed.items():
         set_linear_weight(model, name, weight)
@@ -263,14 +281,9 @@ def _checkpoint_sources(files: list[MappedSafetensors], spec: ModelSpec) -> dict
     return sources
 
 
-def _owned_source(tensors: dict[str, torch.Tensor], name: str) -> _Source:
-    """A tensor already in memory (GGUF, dequantized): used as is when it fits, dropped once consumed."""
-    return _Source(tuple(tensors[name].shape), lambda: tensors[name], lambda rows: _drop(tensors, name, rows), True)
-
-
-def _drop(tensors: dict[str, torch.Tensor], name: str, rows: tuple[int, int] | None) -> None:
-    if name in tensors and (rows is None or rows[1] >= tensors[name].shape[0]):
-        del tensors[name]
+def _gguf_source(gguf: GGUFWeights, name: str, shape: tuple[int, ...]) -> _Source:
+    """A GGUF tensor: read (a new tensor, the model may keep it) or packed from its blocks, on demand."""
+    return _Source(shape, _bind(gguf.read, name), owned=True, packed=gguf.packer(name))
 
 
 def _bind(fn: Callable[[str], _T], name: str) -> Callable[[], _T]:
