@@ -41,7 +41,9 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str) -> PackedWeight:
     scales = torch.from_numpy(np.ascontiguousarray(blocks.scales))
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
-        return Int4Weight.from_codes(codes, scales, torch.from_numpy(np.ascontiguousarray(blocks.offsets)), blocks.group)
+        return Int4Weight.from_codes(
+            codes, scales, torch.from_numpy(np.ascontiguousarray(blocks.offsets)), blocks.group
+        )
     inner = Int8Weight(codes.to(torch.int8), scales, blocks.group)
     if blocks.offsets is None:
         return inner
@@ -58,7 +60,9 @@ class AffineInt8Weight(PackedWeight):
         if inner.in_features % inner.group_size != 0:
             raise ValueError(f"AffineInt8Weight: in_features {inner.in_features} not a multiple of the group")
         if tuple(offsets.shape) != tuple(inner.scales.shape):
-            raise ValueError(f"AffineInt8Weight: offsets {tuple(offsets.shape)} must match scales {tuple(inner.scales.shape)}")
+            raise ValueError(
+                f"AffineInt8Weight: offsets {tuple(offsets.shape)} must match scales {tuple(inner.scales.shape)}"
+            )
         self.inner, self.offsets = inner, offsets.float().contiguous()
         self.fmt = inner.fmt
         self.out_features, self.in_features, self.group_size = inner.out_features, inner.in_features, inner.group_size
@@ -71,6 +75,7 @@ class AffineInt8Weight(PackedWeight):
         return (self.inner.dequantize() + offsets).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.inner.force_portable = self.force_portable
         out = self.inner.matmul(x.float(), bias).reshape(-1, self.out_features)
         sums = x.reshape(-1, self.in_features // self.group_size, self.group_size).float().sum(-1)
         out += sums @ self.offsets.to(sums.device).T
@@ -159,3 +164,10 @@ def _merge(run: list[PackedWeight]) -> PackedWeight:
         assert isinstance(inner, Int8Weight)
         return AffineInt8Weight(inner, torch.cat([p.offsets for p in affine]))
     return cat_rows(run)
+
+
+def layout_of(weight: PackedWeight) -> str:
+    """The executed form of a packed weight (format, group, shape; a RowStack's parts in order)."""
+    if isinstance(weight, RowStack):
+        return "rows[" + ",".join(layout_of(p) for p in weight.parts) + "]"
+    return f"{weight.method}:g{weight.group_size}:{weight.out_features}x{weight.in_features}"

@@ -90,7 +90,9 @@ class GGUFWeights:
         self.not_native_reason = not_native_reason
         self.requantize = None
         if quantization is not None:
-            self.requantize = f"{quantization} g{quantization_group_size or ('128' if quantization == 'int4' else 'channel')}"
+            self.requantize = (
+                f"{quantization} g{quantization_group_size or ('128' if quantization == 'int4' else 'channel')}"
+            )
         self._tensors: dict[str, GGUFTensor] = {}
         for gguf_name, tensor in model.tensors.items():
             if gguf_name in _CONSUMED:
@@ -118,10 +120,7 @@ class GGUFWeights:
         elif self.requantize is not None and name.endswith(_LINEAR_SUFFIXES):
             how = f"dequantized, requantized to {self.requantize} (--quantization)"
         else:
-            why = "embedding" if name == "embed_tokens.weight" else "not a linear layer"
-            if name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight":
-                why = self.not_native_reason if not self.native else "mixed with float parts"
-            how = f"dequantized to {dtype_name} at load ({why})"
+            how = f"dequantized to {dtype_name} at load ({self._why_float(name)})"
         self._count(tensor.type_name, how)
         return weights
 
@@ -145,6 +144,15 @@ class GGUFWeights:
             blocks = BlockCodes(blocks.codes[rows], blocks.scales[rows], offsets, blocks.group)
         self._count(tensor.type_name, f"executed as {EXECUTED_AS[tensor.type_name]} (exact, no requantization)")
         return packed_from_blocks(blocks, tensor.type_name)
+
+    def _why_float(self, name: str) -> str:
+        if name == "embed_tokens.weight":
+            return "embedding"
+        if name == "lm_head.weight" and self.requantize is not None:
+            return "lm_head, not quantized by --quantization"
+        if name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight":
+            return self.not_native_reason if not self.native else "fused with float parts"
+        return "not a linear layer"
 
     def _row_order(self, name: str) -> np.ndarray | None:
         """llama.cpp permutes a llama model's q/k rows; the row order that undoes it (None: as stored)."""

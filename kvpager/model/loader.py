@@ -26,7 +26,7 @@ from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
-from kvpager.model.gguf_packed import DenseWeight, stack_rows
+from kvpager.model.gguf_packed import DenseWeight, layout_of, stack_rows
 from kvpager.model.gguf_weights import GGUFWeights
 from kvpager.model.llama import CausalLM
 from kvpager.model.safetensors_mmap import MappedSafetensors
@@ -189,6 +189,13 @@ def quantized_weights_digest(model: nn.Module) -> str:
         h.update(name.encode())
         weight.update_digest(h)
     return h.hexdigest()
+
+
+def packed_layout_digest(model: nn.Module) -> str:
+    """sha256 over how each packed linear weight executes (name, format, group, shape), "" when none is
+    packed: with a GGUF file's data digest, it names the weights a GGUF model computes with."""
+    layouts = [f"{n}={layout_of(w)}" for n, w in packed_weights(model).items() if not isinstance(w, Bf16Weight)]
+    return hashlib.sha256("\n".join(layouts).encode()).hexdigest() if layouts else ""
 
 
 def _wrap_bf16_linears(model: CausalLM) -> None:
