@@ -134,6 +134,7 @@ _MEMORY_PROBE = """
 import json, sys, torch
 from kvpager.gguf import open_gguf
 from kvpager.model import load_model
+from kvpager.model.loader import model_weight_bytes
 from kvpager.model.llama import CausalLM
 from kvpager.model.spec import spec_from_gguf
 def status(key):  # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork
@@ -142,24 +143,31 @@ gguf_model = open_gguf(sys.argv[1])
 with torch.device("meta"):  # torch's one-time meta-device set-up (~80 MB) is not the loader's
     CausalLM(spec_from_gguf(gguf_model))
 rss_before = status("VmRSS:")
-model = load_model(sys.argv[1], dtype=torch.float32, device="cpu", kernel_backend="torch", gguf_model=gguf_model)
-weights = sum(p.numel() * p.element_size() for p in model.parameters())
+model = load_model(
+    sys.argv[1], dtype=torch.float32, device="cpu", kernel_backend="torch", gguf_model=gguf_model,
+    gguf_dequantize=sys.argv[2] == "floats",
+)
+weights = model_weight_bytes(model)
 print(json.dumps({"growth": status("VmHWM:") - rss_before, "weights": weights, "file": gguf_model.tensor_bytes()}))
 """
 
 
 @pytest.mark.slow
 def test_loading_a_quantized_file_holds_one_copy_of_the_weights(tmp_path: Path) -> None:
-    """Peak memory growth while loading a Q8_0 file: one float copy of the weights plus the file's mapped
-    pages (they count in RSS once read) plus one tensor in flight; two copies would need 2x + file."""
+    """Peak memory growth while loading a Q8_0 file, dequantized to float32 or executed packed (int8):
+    one copy of the model's weights plus the file's mapped pages (they count in RSS once read) plus one
+    tensor in flight; two copies would need 2x + file."""
     shape = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 8}
     checkpoint = make_llama_checkpoint(tmp_path / "ck", **shape)
     path = write_gguf(checkpoint, tmp_path / "model-q8_0.gguf", tensor_type="Q8_0")
-    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(path)], capture_output=True, text=True, check=True)
-    probe = json.loads(out.stdout.strip().splitlines()[-1])
-    print(
-        f"\nload growth {probe['growth'] / 2**20:.0f} MiB for {probe['weights'] / 2**20:.0f} MiB of float32 weights "
-        f"(file {probe['file'] / 2**20:.0f} MiB)"
-    )
-    assert probe["weights"] > 80 * 2**20
-    assert probe["growth"] < 1.4 * probe["weights"] + probe["file"]
+    for mode, min_weights in (("floats", 80 * 2**20), ("packed", 20 * 2**20)):
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE, str(path), mode], capture_output=True, text=True, check=True
+        )
+        probe = json.loads(out.stdout.strip().splitlines()[-1])
+        print(
+            f"\n{mode}: load growth {probe['growth'] / 2**20:.0f} MiB for {probe['weights'] / 2**20:.0f} MiB of weights "
+            f"(file {probe['file'] / 2**20:.0f} MiB)"
+        )
+        assert probe["weights"] > min_weights
+        assert probe["growth"] < 1.4 * probe["weights"] + probe["file"]

@@ -20,7 +20,13 @@ from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
-from kvpager.model.loader import DUMMY_STD, load_model, model_weight_bytes, quantized_weights_digest
+from kvpager.model.loader import (
+    DUMMY_STD,
+    load_model,
+    model_weight_bytes,
+    packed_layout_digest,
+    quantized_weights_digest,
+)
 from kvpager.model.parallel import TensorParallel
 from kvpager.model.spec import ModelSpec, load_model_spec, spec_from_gguf
 from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
@@ -129,6 +135,8 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         weights_digest = dummy_weights_digest(model, DUMMY_WEIGHTS_SEED)
     elif gguf_model is not None:
         weights_digest = f"gguf:{gguf_model.digest()}"  # tensor data and hyper-parameters (kvpager.gguf)
+        if config.quantization is None and (layout := packed_layout_digest(model)):
+            weights_digest += f"+packed:{layout}"  # blocks executed as they are (not dequantized floats)
     else:
         # NOTE: only rank 0 names the KV (the other ranks of tensor parallelism never hash blocks)
         weights_digest = weights_file_digest(model_dir) if parallel is None or parallel.rank == 0 else ""

@@ -1,30 +1,34 @@
-"""GGUF tensors -> the model's weights, one tensor at a time, in the model's float dtype.
+"""GGUF tensors -> the model's weights, one tensor at a time, straight from the memory-mapped file.
 
-Float tensors (F32, F16, BF16) are converted; quantized ones (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) are
-dequantized with the `gguf` package's own block decoders (kvpager has no kernels reading GGUF blocks,
-so they are not kept quantized). Each tensor goes from its memory-mapped bytes to a float32 or
-target-dtype array and is released before the next one is read, so loading holds one full copy of
-the weights (the model's) plus one tensor in flight.
+Linear weights (the projections, an untied lm_head) of the quantized types kvpager executes in packed
+form (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; kvpager/model/gguf_packed.py) keep their blocks' own codes and
+scales: no requantization, the matmul sees exactly the values gguf-py's dequantizer gives. Everything
+else (embedding, norms, biases; every tensor off the CPU or without the packed-weight kernels, or
+with --quantization, which requantizes from these floats) is converted or dequantized, with the
+`gguf` package's block decoders, to the model's dtype. Each tensor is read from its mapped bytes
+when the loader asks for it and handed over, so loading holds one copy of the weights (the model's)
+plus one tensor in flight.
 
 llama.cpp's converter permutes the rows of a llama model's q/k projections (its RoPE pairs adjacent
-elements, transformers' rotates halves); that permutation is undone here, so the weights are
-transformers'. qwen2/qwen3 files are not permuted.
+elements, transformers' rotates halves); that permutation is undone here (rows reordered, for packed
+weights together with their scales), so the weights are transformers'. qwen2/qwen3 files are not
+permuted.
 """
 
 from __future__ import annotations
 
-import logging
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvpager.gguf.blocks import BlockCodes, unpack_blocks
 from kvpager.gguf.config import ROPE_FREQS_TENSOR
 from kvpager.gguf.reader import GGUFError, GGUFModel, GGUFTensor
+from kvpager.model.backends.quant_weights import PackedWeight
+from kvpager.model.gguf_packed import EXECUTED_AS, packed_from_blocks
 from kvpager.model.spec import ModelSpec
-
-logger = logging.getLogger("kvpager")
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
@@ -53,48 +57,112 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Linear weights under their checkpoint names (before q/k/v and gate/up are fused).
+_LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 # Tensors the config already consumed (the rope divisors become the spec's rope scaling).
 _CONSUMED = (ROPE_FREQS_TENSOR,)
 
 
-@dataclass(frozen=True)
-class GGUFLoadReport:
-    """What happened to each ggml type: how many tensors, and in what form the model holds them."""
+class GGUFWeights:
+    """The file's tensors under the loader's checkpoint names, each read on demand from the memory map.
 
-    counts: dict[str, int]
-    dtype: torch.dtype
+    `read(name)`: the tensor as floats in `dtype` (dequantized when quantized). `packer(name)`: for a
+    linear weight (projections, an untied lm_head) of a type kvpager executes in packed form
+    (EXECUTED_AS), a callable building that packed weight from the blocks, else None. `native`
+    False (not a CPU with the packed-weight kernels, or floats asked for) and `quantization` set
+    (requantize from the dequantized floats) both disable packers. What happened to each ggml type
+    is counted for the start-up log (`report_lines`).
+    """
 
-    def lines(self) -> list[str]:
-        name = str(self.dtype).removeprefix("torch.")
-        out = []
-        for type_name, count in self.counts.items():
-            if type_name in QUANTIZED_TYPES:
-                out.append(f"{type_name}: {count} tensor(s) dequantized to {name} at load (no GGUF block kernels)")
-            else:
-                out.append(f"{type_name}: {count} tensor(s) as {name}")
-        return out
+    def __init__(
+        self,
+        model: GGUFModel,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        *,
+        native: bool,
+        not_native_reason: str = "no packed-weight kernels here",
+        quantization: str | None = None,
+        quantization_group_size: int | None = None,
+    ) -> None:
+        self.model, self.spec, self.dtype = model, spec, dtype
+        self.native = native and quantization is None
+        self.not_native_reason = not_native_reason
+        self.requantize = None
+        if quantization is not None:
+            self.requantize = (
+                f"{quantization} g{quantization_group_size or ('128' if quantization == 'int4' else 'channel')}"
+            )
+        self._tensors: dict[str, GGUFTensor] = {}
+        for gguf_name, tensor in model.tensors.items():
+            if gguf_name in _CONSUMED:
+                continue
+            name = checkpoint_name(gguf_name, model)
+            if spec.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            _check_type(tensor, model)
+            self._tensors[name] = tensor
+        self._counts: dict[tuple[str, str], int] = {}
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: t.shape for name, t in self._tensors.items()}
 
-def read_gguf_state(
-    model: GGUFModel, spec: ModelSpec, dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], GGUFLoadReport]:
-    """Every tensor under the loader's checkpoint names (no "model." prefix), on CPU in `dtype`."""
-    permute = model.architecture == "llama"
-    state: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    for gguf_name, tensor in model.tensors.items():
-        if gguf_name in _CONSUMED:
-            continue
-        name = checkpoint_name(gguf_name, model)
-        if spec.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        weights = tensor_to_torch(tensor, dtype, model)
-        if permute and (".q_proj." in name or ".k_proj." in name):
-            heads = spec.num_heads if ".q_proj." in name else spec.num_kv_heads
-            weights = unpermute_rope_rows(weights, heads)
-        state[name] = weights
-        counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
-    return state, GGUFLoadReport(dict(sorted(counts.items())), dtype)
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor as a new CPU tensor in the model's dtype (q/k rows in transformers' order)."""
+        tensor = self._tensors[name]
+        weights = tensor_to_torch(tensor, self.dtype, self.model)
+        rows = self._row_order(name)
+        if rows is not None:
+            weights = weights[torch.from_numpy(rows)]
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        if tensor.type_name in FLOAT_TYPES:
+            how = f"as {dtype_name}"
+        elif self.requantize is not None and name.endswith(_LINEAR_SUFFIXES):
+            how = f"dequantized, requantized to {self.requantize} (--quantization)"
+        else:
+            how = f"dequantized to {dtype_name} at load ({self._why_float(name)})"
+        self._count(tensor.type_name, how)
+        return weights
+
+    def packer(self, name: str) -> Callable[[], PackedWeight] | None:
+        """How to build `name`'s packed weight from its blocks, or None (then it is read as floats)."""
+        tensor = self._tensors[name]
+        linear = name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight"
+        if not (self.native and linear and tensor.type_name in EXECUTED_AS):
+            return None
+        return lambda: self._packed(name)
+
+    def report_lines(self) -> list[str]:
+        return [f"{kind}: {n} tensor(s) {how}" for (kind, how), n in sorted(self._counts.items())]
+
+    def _packed(self, name: str) -> PackedWeight:
+        tensor = self._tensors[name]
+        blocks = unpack_blocks(tensor.type_name, tensor.data, tensor.shape)
+        rows = self._row_order(name)
+        if rows is not None:
+            offsets = None if blocks.offsets is None else blocks.offsets[rows]
+            blocks = BlockCodes(blocks.codes[rows], blocks.scales[rows], offsets, blocks.group)
+        self._count(tensor.type_name, f"executed as {EXECUTED_AS[tensor.type_name]} (exact, no requantization)")
+        return packed_from_blocks(blocks, tensor.type_name)
+
+    def _why_float(self, name: str) -> str:
+        if name == "embed_tokens.weight":
+            return "embedding"
+        if name == "lm_head.weight" and self.requantize is not None:
+            return "lm_head, not quantized by --quantization"
+        if name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight":
+            return self.not_native_reason if not self.native else "fused with float parts"
+        return "not a linear layer"
+
+    def _row_order(self, name: str) -> np.ndarray | None:
+        """llama.cpp permutes a llama model's q/k rows; the row order that undoes it (None: as stored)."""
+        if self.model.architecture != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        heads = self.spec.num_heads if ".q_proj." in name else self.spec.num_kv_heads
+        return rope_row_order(self._tensors[name].shape[0], heads)
+
+    def _count(self, kind: str, how: str) -> None:
+        self._counts[kind, how] = self._counts.get((kind, how), 0) + 1
 
 
 def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:
@@ -112,11 +180,7 @@ def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:
 def tensor_to_torch(tensor: GGUFTensor, dtype: torch.dtype, model: GGUFModel) -> torch.Tensor:
     """One tensor's values as a new CPU tensor of `tensor.shape` in `dtype` (dequantized when quantized)."""
     kind = tensor.type_name
-    if kind not in SUPPORTED_TENSOR_TYPES:
-        raise GGUFError(
-            f"GGUF file {str(model.path)!r}: tensor {tensor.name!r} has ggml type {kind}, which kvpager cannot load "
-            f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
-        )
+    _check_type(tensor, model)
     if kind == "BF16":
         raw = np.ascontiguousarray(tensor.data).view(np.int16).reshape(tensor.shape)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).to(dtype)
@@ -132,9 +196,16 @@ def tensor_to_torch(tensor: GGUFTensor, dtype: torch.dtype, model: GGUFModel) ->
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def unpermute_rope_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: per head, rows (0, d/2, 1, d/2+1, ...) back to (0, 1, ..., d-1)."""
-    rows = weights.shape[0]
+def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head, stored rows (0, d/2, 1, d/2+1, ...) -> (0, 1, ..., d-1).
+    new[h, j, i] = stored[h, i, j] over the view [heads, d/2, 2]."""
     head_dim = rows // num_heads
-    grouped = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
-    return grouped.transpose(1, 2).reshape(weights.shape).contiguous()
+    return np.arange(rows).reshape(num_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def _check_type(tensor: GGUFTensor, model: GGUFModel) -> None:
+    if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
+        raise GGUFError(
+            f"GGUF file {str(model.path)!r}: tensor {tensor.name!r} has ggml type {tensor.type_name}, which kvpager "
+            f"cannot load (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+        )

@@ -26,7 +26,8 @@ from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
-from kvpager.model.gguf_weights import read_gguf_state
+from kvpager.model.gguf_packed import DenseWeight, layout_of, stack_rows
+from kvpager.model.gguf_weights import GGUFWeights
 from kvpager.model.llama import CausalLM
 from kvpager.model.parallel import TensorParallel, shard_spec
 from kvpager.model.safetensors_mmap import MappedSafetensors
@@ -56,6 +57,7 @@ class _Source:
     read: Callable[[], torch.Tensor]
     release: Callable[[tuple[int, int] | None], None] = lambda rows: None  # rows (first, end) or all
     owned: bool = False  # read() is an in-memory tensor the model may keep as it is
+    packed: Callable[[], PackedWeight] | None = None  # the tensor's own packed form (GGUF blocks), if any
 
 
 def load_model(
@@ -71,6 +73,7 @@ def load_model(
     quantization: str | None = None,
     quantization_group_size: int | None = None,
     parallel: TensorParallel | None = None,
+    gguf_dequantize: bool = False,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
 
@@ -82,7 +85,10 @@ def load_model(
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
     "auto"/"gguf" read a GGUF model when `model_dir` is a .gguf file or a directory holding one (or pass
-    the already opened `gguf_model`); quantized tensors are dequantized to `dtype` (logged per type).
+    the already opened `gguf_model`). Its quantized linear weights run in their packed form on a CPU with
+    the packed-weight kernels (kvpager.model.gguf_packed), unless `gguf_dequantize`, `quantization`
+    (which requantizes) or `parallel` (shards are sliced from floats); other tensors are dequantized to
+    `dtype`. Logged per ggml type.
 
     parallel: tensor parallelism; this rank loads only its shard (kvpager/model/tp_shards.py), sliced
     from the mapped tensors before it is copied, and runs torch's ops (the fused kernels do not
@@ -103,14 +109,28 @@ def load_model(
         whole = model if parallel is None else CausalLM(spec)
     expected, full_shapes = _expected_shapes(model, spec), _expected_shapes(whole, spec)
     files: list[MappedSafetensors] = []
+    gguf: GGUFWeights | None = None
     try:
         if load_format == "dummy":
             sources = _dummy_sources(full_shapes, seed)
         elif gguf_model is not None:
-            tensors, report = read_gguf_state(gguf_model, spec, dtype)
-            for line in report.lines():
-                logger.info("GGUF weights %s", line)
-            sources = _fuse(spec, {n: _owned_source(tensors, n) for n in list(tensors)})
+            kernels = device.type == "cpu" and quant_kernels_or_none() is not None
+            gguf = GGUFWeights(
+                gguf_model,
+                spec,
+                dtype,
+                native=kernels and not gguf_dequantize and parallel is None,
+                not_native_reason=(
+                    f"no packed-weight kernels on {device.type}"
+                    if not kernels
+                    else "tensor parallelism slices float weights"
+                    if parallel is not None
+                    else "floats asked for"
+                ),
+                quantization=quantization,
+                quantization_group_size=quantization_group_size,
+            )
+            sources = _fuse(spec, {n: _gguf_source(gguf, n, shape) for n, shape in gguf.shapes().items()})
         else:
             files = [MappedSafetensors(p) for p in safetensors_files(Path(model_dir))]
             sources = _fuse(spec, _checkpoint_sources(files, spec))
@@ -123,11 +143,16 @@ def load_model(
                 parts = _shard(parts, shard_plan(name, spec, parallel.layout, parallel.rank))
             if quantization is not None and name.endswith(_PROJECTIONS):
                 packed[name] = cat_rows([_quantized(s, quantization, quantization_group_size, device) for s in parts])
+            elif any(s.packed is not None for s in parts):  # GGUF blocks executed as they are
+                packed[name] = stack_rows([s.packed() if s.packed else DenseWeight(s.read()) for s in parts])
             else:
                 state[name] = _materialise(parts, expected[name], dtype, device)
     finally:
         for f in files:
             f.close()
+    if gguf is not None:
+        for line in gguf.report_lines():
+            logger.info("GGUF weights %s", line)
     model.load_state_dict(state, strict=False, assign=True)
     for name, weight in packed.items():
         set_linear_weight(model, name, weight)
@@ -238,6 +263,13 @@ def quantized_weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def packed_layout_digest(model: nn.Module) -> str:
+    """sha256 over how each packed linear weight executes (name, format, group, shape), "" when none is
+    packed: with a GGUF file's data digest, it names the weights a GGUF model computes with."""
+    layouts = [f"{n}={layout_of(w)}" for n, w in packed_weights(model).items() if not isinstance(w, Bf16Weight)]
+    return hashlib.sha256("\n".join(layouts).encode()).hexdigest() if layouts else ""
+
+
 def _wrap_bf16_linears(model: CausalLM) -> None:
     """bfloat16 linear weights (projections and lm_head) read by the packed-weight kernel at decode."""
     for name, module in model.named_modules():
@@ -328,14 +360,9 @@ def _checkpoint_sources(files: list[MappedSafetensors], spec: ModelSpec) -> dict
     return sources
 
 
-def _owned_source(tensors: dict[str, torch.Tensor], name: str) -> _Source:
-    """A tensor already in memory (GGUF, dequantized): used as is when it fits, dropped once consumed."""
-    return _Source(tuple(tensors[name].shape), lambda: tensors[name], lambda rows: _drop(tensors, name, rows), True)
-
-
-def _drop(tensors: dict[str, torch.Tensor], name: str, rows: tuple[int, int] | None) -> None:
-    if name in tensors and (rows is None or rows[1] >= tensors[name].shape[0]):
-        del tensors[name]
+def _gguf_source(gguf: GGUFWeights, name: str, shape: tuple[int, ...]) -> _Source:
+    """A GGUF tensor: read (a new tensor, the model may keep it) or packed from its blocks, on demand."""
+    return _Source(shape, _bind(gguf.read, name), owned=True, packed=gguf.packer(name))
 
 
 def _bind(fn: Callable[[str], _T], name: str) -> Callable[[], _T]:

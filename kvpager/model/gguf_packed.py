@@ -1,0 +1,173 @@
+"""GGUF quantized blocks executed as they are: kvpager packed weights built from the blocks' own codes.
+
+kvpager.gguf.blocks turns a tensor's blocks into codes with per-group scales (and offsets); here they
+become the packed formats of kvpager.model.backends.quant_weights without requantization, so the
+matmul computes with exactly the values gguf-py's dequantizer gives:
+
+- Q8_0 -> Int8Weight group 32; Q6_K -> Int8Weight group 16 (codes q - 32, scale d*sc).
+- Q4_0, Q4_K -> Int4Weight group 32 (codes q, scale d or d*sc, offset -8d or -dmin*m).
+- Q5_K -> AffineInt8Weight group 32: Int8Weight over the 5-bit codes plus a per-group offset
+  (-dmin*m), which the int8 kernels do not have; the offset term is offset[n, g] * sum of x over
+  group g, one small matmul on the group sums.
+
+A fused projection (q/k/v, gate/up) whose parts are of different types (Q4_K_M files keep attn_v and
+ffn_down at 6 bits) is a RowStack: each part runs its own matmul on the same input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvpager.gguf.blocks import BlockCodes
+from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
+
+# ggml type -> how it is executed (the start-up log says this per type)
+EXECUTED_AS = {
+    "Q8_0": "int8 g32",
+    "Q4_0": "int4 g32",
+    "Q4_K": "int4 g32",
+    "Q5_K": "int8 g32 + per-group offset",
+    "Q6_K": "int8 g16",
+}
+
+
+def packed_from_blocks(blocks: BlockCodes, type_name: str) -> PackedWeight:
+    """The packed weight holding exactly `blocks`' values (see the module docstring per type)."""
+    codes = torch.from_numpy(np.ascontiguousarray(blocks.codes))
+    scales = torch.from_numpy(np.ascontiguousarray(blocks.scales))
+    if type_name in ("Q4_0", "Q4_K"):
+        assert blocks.offsets is not None
+        return Int4Weight.from_codes(
+            codes, scales, torch.from_numpy(np.ascontiguousarray(blocks.offsets)), blocks.group
+        )
+    inner = Int8Weight(codes.to(torch.int8), scales, blocks.group)
+    if blocks.offsets is None:
+        return inner
+    return AffineInt8Weight(inner, torch.from_numpy(np.ascontiguousarray(blocks.offsets)))
+
+
+class AffineInt8Weight(PackedWeight):
+    """w = q * scale + offset per group: an Int8Weight plus float32 offsets [N, K / group]."""
+
+    method = "int8-affine"
+
+    def __init__(self, inner: Int8Weight, offsets: torch.Tensor) -> None:
+        super().__init__()
+        if inner.in_features % inner.group_size != 0:
+            raise ValueError(f"AffineInt8Weight: in_features {inner.in_features} not a multiple of the group")
+        if tuple(offsets.shape) != tuple(inner.scales.shape):
+            raise ValueError(
+                f"AffineInt8Weight: offsets {tuple(offsets.shape)} must match scales {tuple(inner.scales.shape)}"
+            )
+        self.inner, self.offsets = inner, offsets.float().contiguous()
+        self.fmt = inner.fmt
+        self.out_features, self.in_features, self.group_size = inner.out_features, inner.in_features, inner.group_size
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.inner.tensors(), self.offsets)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        offsets = self.offsets.repeat_interleave(self.group_size, dim=1)
+        return (self.inner.dequantize() + offsets).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.inner.max_level = self.max_level
+        out = self.inner.matmul(x.float(), bias).reshape(-1, self.out_features)
+        sums = x.reshape(-1, self.in_features // self.group_size, self.group_size).float().sum(-1)
+        out += sums @ self.offsets.to(sums.device).T
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class DenseWeight(PackedWeight):
+    """A float tensor as a packed weight: a float part of a fused projection whose other parts are packed."""
+
+    method = "dense"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight.contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.group_size = self.in_features
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+class RowStack(PackedWeight):
+    """Row blocks in different formats, stacked: each part's matmul on the same input, outputs joined."""
+
+    method = "rows"
+
+    def __init__(self, parts: list[PackedWeight]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("RowStack: parts must share in_features")
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.group_size = self.in_features
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for p in self.parts for t in p.tensors())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def update_digest(self, h: hashlib._Hash) -> None:
+        h.update(f"rows:{len(self.parts)}".encode())
+        for p in self.parts:
+            p.update_digest(h)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outs, row = [], 0
+        for p in self.parts:
+            b = None if bias is None else bias[row : row + p.out_features]
+            outs.append(p.matmul(x, b))
+            row += p.out_features
+        return torch.cat(outs, dim=-1)
+
+
+def stack_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Row-wise concatenation: neighbours of the same format and group merged (one kernel call), the
+    rest a RowStack."""
+    merged: list[list[PackedWeight]] = []
+    for p in parts:
+        if merged and _mergeable(merged[-1][-1], p):
+            merged[-1].append(p)
+        else:
+            merged.append([p])
+    blocks = [_merge(run) for run in merged]
+    return blocks[0] if len(blocks) == 1 else RowStack(blocks)
+
+
+def _mergeable(a: PackedWeight, b: PackedWeight) -> bool:
+    same = type(a) is type(b) and a.group_size == b.group_size and a.in_features == b.in_features
+    return same and isinstance(a, Int8Weight | Int4Weight | AffineInt8Weight)
+
+
+def _merge(run: list[PackedWeight]) -> PackedWeight:
+    if len(run) == 1:
+        return run[0]
+    if isinstance(run[0], AffineInt8Weight):
+        affine = [p for p in run if isinstance(p, AffineInt8Weight)]
+        inner = cat_rows([p.inner for p in affine])
+        assert isinstance(inner, Int8Weight)
+        return AffineInt8Weight(inner, torch.cat([p.offsets for p in affine]))
+    return cat_rows(run)
+
+
+def layout_of(weight: PackedWeight) -> str:
+    """The executed form of a packed weight (format, group, shape; a RowStack's parts in order)."""
+    if isinstance(weight, RowStack):
+        return "rows[" + ",".join(layout_of(p) for p in weight.parts) + "]"
+    return f"{weight.method}:g{weight.group_size}:{weight.out_features}x{weight.in_features}"
