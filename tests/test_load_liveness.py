@@ -55,6 +55,9 @@ class SlowStore:
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self.saved
 
+    def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
+        return False  # a local tier: `contains` answers at once
+
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
         self.saved[block_hash] = [self.runner.slots[i] for i in self._slots(block_id)]
 
