@@ -52,7 +52,7 @@ def main() -> None:
     kc, vc = cache[0], cache[1]
     rms_norm, paged_decode = k.fn("kvp_rms_norm"), k.fn("kvp_paged_decode")
     decode_args = {"q": q, "out": o, "rows": None, "k_cache": kc, "v_cache": vc, "block_tables": tables}
-    decode_args |= {"seq_lens": seq_lens, "window": 0, "scale": 0.125, "partition": 256}
+    decode_args |= {"seq_lens": seq_lens, "window": 0, "scale": 0.125, "partition": 256, "kv_format": 0}
     cases = {
         "rms_norm": (
             lambda: rms_norm.checked(x=x, w=w, out=out, eps=1e-6),

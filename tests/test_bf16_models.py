@@ -76,11 +76,16 @@ def test_engine_with_dtype_auto_runs_a_bf16_checkpoint_in_bf16_without_float32_w
         engine = Engine(EngineConfig(model=str(path), kv_cache_memory=1 << 20))
     assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
     assert "weights: dtype bfloat16 (checkpoint bfloat16)" in caplog.text and "linear layers:" in caplog.text
+    assert "precision: compute float32, linear weights bfloat16" in caplog.text  # the CPU rule, logged
     model = engine.loaded.model
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # the embedding and every linear weight stay bfloat16; norms (hidden-size vectors) are float32
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} <= {torch.bfloat16, torch.float32}
     qkv = model.layers[0].self_attn.qkv_proj.weight
     assert isinstance(qkv, Bf16Weight) or qkv.dtype == torch.bfloat16
-    assert engine.loaded.weight_bytes == 2 * model.spec.num_parameters()
+    small = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
+    assert small < 0.01 * model.spec.num_parameters()
+    assert engine.loaded.weight_bytes == 2 * model.spec.num_parameters() + 2 * small
     float_engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 20))
     assert float_engine.config.dtype == "float32"
 

@@ -399,11 +399,14 @@ def test_prefill_beyond_the_kernel_context_limit_runs_in_torch(kops: SpyOps) -> 
     assert kops.calls["_prefill_attention"] == 0
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 24])
-def test_bf16_kv_cache_is_written_with_torchs_rounding_and_read_by_the_kernels(kops: SpyOps, head_dim: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 24, 40])
+def test_16bit_kv_cache_is_written_with_torchs_rounding_and_read_by_the_kernels(
+    kops: SpyOps, head_dim: int, kv_dtype: torch.dtype
+) -> None:
     num_heads, num_kv_heads = 4, 2
     _, cache32, meta = _attention_inputs([3, 1], [3, 9], num_heads, num_kv_heads, head_dim, 4, seed=6)
-    cache = cache32.to(torch.bfloat16)
+    cache = cache32.to(kv_dtype)
     qkv = _randn(4, (num_heads + 2 * num_kv_heads) * head_dim, seed=7)
     angles = _randn(4, 1, head_dim // 2, seed=8)
     args = (angles.cos(), angles.sin())
@@ -415,20 +418,45 @@ def test_bf16_kv_cache_is_written_with_torchs_rounding_and_read_by_the_kernels(k
         qkv.clone(), *args, cache_got, meta.slot_mapping, num_heads, num_kv_heads, None, None, 0.0
     )
     _assert_close(q_got, q_ref)
-    assert torch.equal(cache_got, cache_ref)
-    out = kops.attention(q_got, cache_got, meta, head_dim**-0.5)
+    # the write rounds the kernel's own float32 K/V exactly as torch's .to(kv_dtype) does ...
+    cache_f32 = cache32.clone()
+    kops.rope_and_cache(qkv.clone(), *args, cache_f32, meta.slot_mapping, num_heads, num_kv_heads, None, None, 0.0)
+    assert torch.equal(cache_got, cache_f32.to(kv_dtype))
+    # ... and stays within one 16-bit step of torch's (their RoPE sums may differ by a float32 ulp)
+    _assert_close(cache_got.float(), cache_ref.float(), rel=2.0 ** -(8 if kv_dtype == torch.bfloat16 else 11))
+    # the kernels read the 16-bit cache as torch's widening does (same q, same cache)
+    out = kops.attention(q_ref, cache_ref, meta, head_dim**-0.5)
     _assert_close(out, REF.attention(q_ref, cache_ref, meta, head_dim**-0.5))
-    assert kops.calls["_rope_and_cache"] == 1 and kops.calls["_paged_decode"] == 1
-    # the 3-token prefill, from the bfloat16 cache (head_dim 24 goes to SDPA)
+    assert kops.calls["_rope_and_cache"] == 2 and kops.calls["_paged_decode"] == 1
+    # the 3-token prefill, from the 16-bit cache (head_dim 24 and 40 go to SDPA)
     assert kops.calls["_prefill_attention ran"] == (head_dim in (64, 128))
 
 
-def test_bf16_cache_write_rounds_ties_to_even_and_keeps_nan_inf(kops: SpyOps) -> None:
-    head_dim, num_kv_heads = 16, 1
-    v = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38, float("inf"), float("nan"), 1e-40, -0.0])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_16bit_kv_cache_long_contexts_match_torch_in_decode_and_chunked_prefill(
+    kops: SpyOps, head_dim: int, kv_dtype: torch.dtype
+) -> None:
+    """Decode over contexts split into several partitions and prefill chunks after cached context,
+    both reading a 16-bit cache: the same values torch computes from the cache widened to float32."""
+    q, cache, meta = _attention_inputs([1, 1, 1, 30], [1, 300, 700, 330], 8, 2, head_dim, 16, seed=12)
+    _compare_attention(kops, q, cache.to(kv_dtype), meta)
+
+
+# values at a rounding tie, overflowing, infinite, NaN, subnormal and -0 in each 16-bit format
+_EDGES = {
+    torch.bfloat16: [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38, float("inf"), float("nan"), 1e-40, -0.0],
+    torch.float16: [1.0 + 2**-11, 1.0 + 3 * 2**-11, -(1.0 + 2**-11), 7.0e4, float("inf"), float("nan"), 3e-6, -0.0],
+}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16bit_cache_write_rounds_ties_to_even_and_keeps_nan_inf(kops: SpyOps, kv_dtype: torch.dtype) -> None:
+    head_dim, num_kv_heads = 32, 1  # NOTE: 32: the float16 write's 8-wide F16C loop and its tail both run
+    v = torch.tensor(_EDGES[kv_dtype] + [2**-24 * 1.5, 65519.0, 65520.0])
     v = torch.cat([v, _randn(head_dim - v.numel(), seed=3)])
     qkv = torch.cat([torch.zeros(1, head_dim), torch.zeros(1, head_dim), v[None]], dim=1)  # q, k, v of one token
-    cache_ref = torch.zeros(2, 1, 1, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    cache_ref = torch.zeros(2, 1, 1, num_kv_heads, head_dim, dtype=kv_dtype)
     cache_got = cache_ref.clone()
     args = (torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2))
     slots = torch.zeros(1, dtype=torch.int64)
@@ -448,13 +476,14 @@ def test_select_ops_picks_the_backend_and_rejects_what_the_kernels_cannot_run() 
     assert type(select_ops("torch", torch.float32, torch.float32, cpu)) is TorchOps
     assert type(select_ops("auto", torch.float32, torch.float32, cpu)) is CpuKernelOps
     assert type(select_ops("cpu", torch.float32, torch.float32, cpu)) is CpuKernelOps
-    assert type(select_ops("auto", torch.bfloat16, torch.bfloat16, cpu)) is TorchOps
+    # every CPU model computes in float32 (kvpager.model.precision), over a 32- or 16-bit KV cache
+    assert type(select_ops("auto", torch.bfloat16, torch.bfloat16, cpu)) is CpuKernelOps
+    assert type(select_ops("auto", torch.float16, torch.float16, cpu)) is CpuKernelOps
     assert type(select_ops("auto", torch.float32, torch.bfloat16, cpu)) is CpuKernelOps
-    assert type(select_ops("auto", torch.float32, torch.float16, cpu)) is TorchOps
-    with pytest.raises(ValueError, match=r"'cpu'.*float32.*dtype torch\.bfloat16"):
-        select_ops("cpu", torch.bfloat16, torch.float32, cpu)
-    with pytest.raises(ValueError, match=r"'cpu'.*float32.*KV cache torch\.float16"):
-        select_ops("cpu", torch.float32, torch.float16, cpu)
+    assert type(select_ops("auto", torch.float32, torch.float16, cpu)) is CpuKernelOps
+    assert type(select_ops("auto", torch.float32, torch.float64, cpu)) is TorchOps
+    with pytest.raises(ValueError, match=r"'cpu'.*float32.*KV cache torch\.float64"):
+        select_ops("cpu", torch.float32, torch.float64, cpu)
     with pytest.raises(ValueError, match=r"kernel_backend must be one of .*'cuda'"):
         select_ops("cuda", torch.float32, torch.float32, cpu)
 

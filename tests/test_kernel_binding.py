@@ -89,6 +89,7 @@ def test_swapped_arguments_raise(kernels: Any) -> None:
     tables, seq_lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8])
     decode = kernels.fn("kvp_paged_decode")
     common = {"q": q, "out": out, "rows": None, "k_cache": cache[0], "v_cache": cache[1], "window": 0}
+    common["kv_format"] = 0
     with pytest.raises(KernelArgumentError, match="block_tables must have shape"):
         decode(**common, block_tables=seq_lens, seq_lens=tables, scale=0.125, partition=256)
     with pytest.raises(KernelArgumentError, match="partition must be an int, got float"):
@@ -97,6 +98,8 @@ def test_swapped_arguments_raise(kernels: Any) -> None:
         decode(
             **{**common, "k_cache": cache[0].bfloat16()}, block_tables=tables, seq_lens=seq_lens, scale=1.0, partition=1
         )
+    with pytest.raises(KernelArgumentError, match="kv_format is the k_cache tensor's dtype"):
+        decode(**{**common, "kv_format": 1}, block_tables=tables, seq_lens=seq_lens, scale=0.125, partition=256)
     assert not out.any()
     decode(**common, block_tables=tables, seq_lens=seq_lens, scale=0.125, partition=256)
     assert out.abs().sum() > 0  # the same arguments, in their places, run
@@ -110,6 +113,7 @@ def test_an_index_outside_the_pool_raises_before_anything_is_written(kernels: An
     call = kernels.fn("kvp_rope_and_cache")
     common = {"qkv": qkv, "num_heads": num_heads, "cos": cos.view(3, -1), "sin": sin.view(3, -1)}
     common |= {"q_norm": None, "k_norm": None, "eps": 1e-6, "k_cache": cache[0], "v_cache": cache[1]}
+    common["kv_format"] = 0
     for bad in ([0, 1, 8], [-1, 0, 1]):
         with pytest.raises(KernelArgumentError, match=r"slots values must lie in \[0, 8\)"):
             call(**common, slots=torch.tensor(bad))
@@ -123,6 +127,7 @@ def test_an_index_outside_the_pool_raises_before_anything_is_written(kernels: An
 def test_prefill_chunks_must_lie_inside_q_and_their_context(kernels: Any) -> None:
     q, out, cache = torch.randn(5, 2, 64), torch.zeros(5, 2, 64), torch.randn(2, 4, 4, 1, 64)
     common = {"q": q, "out": out, "k_cache": cache[0], "v_cache": cache[1], "window": 0, "scale": 0.125}
+    common |= {"kv_format": 0}
     common["block_tables"] = torch.tensor([[0, 1]])
     run = kernels.fn("kvp_prefill_attention")
     with pytest.raises(KernelArgumentError, match="each chunk's tokens lie in q"):
@@ -136,7 +141,7 @@ def test_prefill_chunks_must_lie_inside_q_and_their_context(kernels: Any) -> Non
 def test_the_c_prototypes_come_from_the_one_declaration() -> None:
     header = c_header(abi.SPECS)
     assert "void kvp_linear_small(const float* x, int64_t M, int64_t K, const float* w, int64_t N, " in header
-    assert "void* k_cache, void* v_cache, const int64_t* slots, int64_t kv_bf16);" in header
+    assert "void* k_cache, void* v_cache, const int64_t* slots, int64_t kv_format);" in header
     assert "int64_t kvp_prefill_attention(const float* q, int64_t q_stride, float* out," in header
     spec = KernelSpec("f", (("a", Tensor((torch.bfloat16,), (2,), writes=True)), ("n", Int()), ("e", Float())))
     assert "void f(uint16_t* a, int64_t n, float e);" in c_header((spec,))

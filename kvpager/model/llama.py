@@ -19,6 +19,7 @@ from kvpager.model.attention import AttentionMetadata
 from kvpager.model.backends.ops import TorchOps
 from kvpager.model.backends.weight_layout import embedding_rows
 from kvpager.model.parallel import TensorParallel
+from kvpager.model.precision import apply_precision
 from kvpager.model.rope import RopeCache
 from kvpager.model.spec import ModelSpec
 
@@ -139,14 +140,17 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rope: RopeCache | None = None
         self.ops: TorchOps = TorchOps()
+        self.compute_dtype = torch.float32  # activations' dtype: kvpager.model.precision's rule
         self.requires_grad_(False)
 
     def finish_loading(self, dtype: torch.dtype, device: torch.device, ops: TorchOps | None = None) -> None:
-        """Tie lm_head when asked, build the RoPE table, set the ops (default: torch) and let them arrange
-        the weights; call after weights are assigned."""
+        """Tie lm_head when asked, cast for the compute-dtype rule (kvpager.model.precision), build the
+        RoPE table, set the ops (default: torch) and let them arrange the weights; call after weights
+        are assigned."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RopeCache.build(self.spec, dtype, device)
+        self.compute_dtype = apply_precision(self, dtype, device).compute_dtype
+        self.rope = RopeCache.build(self.spec, self.compute_dtype, device)
         self.ops = ops if ops is not None else TorchOps()
         self.ops.prepare_weights(self)
         self.eval()
@@ -164,6 +168,7 @@ class CausalLM(nn.Module):
             x = self.parallel.embed(self.embed_tokens.weight, input_ids)
         else:
             x = embedding_rows(self.embed_tokens.weight, input_ids)  # NOTE: the ops may store the table in blocks
+        x = x.to(self.compute_dtype)  # a bfloat16 table on the CPU: float32 activations (no copy when equal)
         residual: torch.Tensor | None = None
         layers = cast(Sequence[Any], self.layers)  # a ModuleList: indexable, iterable
         fused = None  # NOTE: the one-kernel decode has no all-reduce between layers

@@ -3,7 +3,8 @@
 `TorchOps` is the reference: plain torch, any device and dtype. `CpuKernelOps` runs the same math
 in kvpager's C++ kernels (kvpager/model/backends/kernels/*.cpp, called with keyword arguments through
 the binding checked against kernels/abi.py; a precondition that fails sends the call to torch and is
-counted in `kernel_stats()`) for float32 on CPU: RMSNorm and residual-add
+counted in `kernel_stats()`) for float32 activations on CPU (float32 models, and bfloat16/float16
+models under kvpager.model.precision's rule), over a float32, bfloat16 or float16 KV cache: RMSNorm and residual-add
 fused, SiLU·up fused, RoPE and the K/V cache write fused, decode and prefill attention that read
 K/V blocks in place instead of gathering every sequence's context into a padded tensor (prefill
 beyond PREFILL_KERNEL_MAX_CONTEXT in torch's SDPA), linear layers over weights it stores in column
@@ -11,8 +12,9 @@ blocks at load (`prepare_weights`, kvpager.model.backends.weight_layout); a deco
 FUSED_MAX_ROWS rows runs every layer in one kernel call. Tests hold the two to each other and to transformers.
 
 `select_ops(backend, dtype, kv_dtype, device)` picks one: "torch", "cpu" (kernels, error if they cannot be
-built) or "auto" (kernels for a float32 model with a float32 or bfloat16 KV cache on CPU when a compiler is available,
-torch otherwise).
+built) or "auto" (kernels on CPU when a compiler is available,
+torch otherwise): "auto" takes the kernels for every model on the CPU whose compute dtype is float32
+(kvpager.model.precision: every CPU model) with a float32, bfloat16 or float16 KV cache.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from kvpager.core.config import KERNEL_BACKENDS
 from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_prefills, paged_attention, write_kv
 from kvpager.model.backends.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
 from kvpager.model.backends.fallbacks import FallbackCounter
+from kvpager.model.backends.kernels.abi import KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelBuildError, KernelLibrary, load_cpu_kernels
 from kvpager.model.backends.weight_layout import BLOCK, blocked_stride, convert_linear_weights, unblocked
+from kvpager.model.precision import compute_dtype
 from kvpager.model.rope import apply_rope
 from kvpager.model.spec import ModelSpec
 
@@ -103,7 +107,7 @@ class TorchOps:
         """x [T, in] @ weight [out, in].T (+ bias). A packed weight (quant_weights.py) runs its own matmul."""
         if not isinstance(weight, torch.Tensor):
             return weight.matmul(x, bias)
-        return F.linear(x, weight, bias)
+        return _mixed_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in float32, scaled in x's dtype (as transformers)."""
@@ -216,7 +220,7 @@ class CpuKernelOps(TorchOps):
             "rms_norm": "kernel",
             "add_rms_norm": "kernel",
             "silu_mul": "kernel",
-            "rope_and_cache": "kernel (float32 or bfloat16 cache)",
+            "rope_and_cache": "kernel (float32, bfloat16 or float16 cache)",
             "decode_attention": "paged kernel",
             "prefill_attention": f"kernel for head_dim 64 or 128 up to {PREFILL_KERNEL_MAX_CONTEXT} positions, "
             "torch SDPA beyond",
@@ -263,6 +267,8 @@ class CpuKernelOps(TorchOps):
         ):
             reason = "block tables, sequence lengths or slot mapping not int64"
         table = self._layer_table(layers, spec.rms_norm_eps) if reason is None else None
+        if reason is None and table is None and _has_packed_weights(layers):
+            return None  # by design: packed (bfloat16, int8, int4) weights run layer by layer
         if reason is None and table is None:
             reason = "a layer's tensors are not float32 and contiguous on the CPU, or the norms' eps differ"
         if reason is not None or table is None:
@@ -299,6 +305,7 @@ class CpuKernelOps(TorchOps):
             scale=head_dim**-0.5,
             partition=DECODE_PARTITION,
             scratch=scratch,
+            kv_format=KV_FORMATS[kv_cache.dtype],
         )
         return x, residual
 
@@ -337,6 +344,8 @@ class CpuKernelOps(TorchOps):
             return self._bf16_linear(x, weight, bias)
         if bs:
             return self._blocked_linear(x, weight, bs, bias)
+        if weight.dtype != x.dtype:  # a 16-bit weight the packed-weight kernels do not hold (no compiler)
+            return _mixed_linear(x, weight, bias)
         if rows > SMALL_BATCH_LINEAR:  # row-major weights: the dot-product kernel for small batches only
             return F.linear(x, weight, bias)
         reason = "x is not 2-D" if x.dim() != 2 else _unfit(x=x, weight=weight, bias=bias)
@@ -436,6 +445,7 @@ class CpuKernelOps(TorchOps):
             k_cache=kv_layer[0],
             v_cache=kv_layer[1],
             slots=slot_mapping,
+            kv_format=KV_FORMATS[kv_layer.dtype],
         )
         num_tokens, head_dim = qkv.shape[0], kv_layer.shape[-1]
         return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
@@ -467,6 +477,7 @@ class CpuKernelOps(TorchOps):
                     window=meta.sliding_window or 0,
                     scale=scale,
                     partition=DECODE_PARTITION,
+                    kv_format=KV_FORMATS[kv_layer.dtype],
                 )
         if meta.prefills and not self._kernel_prefills(q, kv_layer, meta, scale, out):
             attend_prefills(q, kv_layer, meta, scale, out)
@@ -509,6 +520,7 @@ class CpuKernelOps(TorchOps):
             block_tables=tables,
             window=meta.sliding_window or 0,
             scale=scale,
+            kv_format=KV_FORMATS[kv_layer.dtype],
         )
         if not done:
             self.fallbacks.record("prefill_attention", "head_dim is not 64 or 128")
@@ -559,8 +571,29 @@ def _f32(t: torch.Tensor) -> bool:
 
 
 def _kv_ok(t: torch.Tensor) -> bool:
-    """A KV cache the kernels read and write: float32 or bfloat16 on the CPU."""
-    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
+    """A KV cache the kernels read and write: float32, bfloat16 or float16 on the CPU."""
+    return t.dtype in KV_FORMATS and t.device.type == "cpu"
+
+
+def _mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) in x's dtype, a weight of another dtype widened per call (the reference
+    for 16-bit weights under float32 activations; the kernels read them without the copy)."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
+
+
+def _has_packed_weights(layers: Sequence[Any]) -> bool:
+    return any(
+        not isinstance(w, torch.Tensor)
+        for layer in layers
+        for w in (
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+    )
 
 
 def _unfit(**tensors: torch.Tensor | None) -> str | None:
@@ -577,13 +610,13 @@ def _unfit(**tensors: torch.Tensor | None) -> str | None:
 
 def _kv_unfit(kv: torch.Tensor) -> str | None:
     if not _kv_ok(kv):
-        return "KV cache is not float32 or bfloat16 on the CPU"
+        return "KV cache is not float32, bfloat16 or float16 on the CPU"
     return None if kv.is_contiguous() else "KV cache is not contiguous"
 
 
 def _attention_unfit(q: torch.Tensor, kv_layer: torch.Tensor) -> str | None:
     """None for q [T, H, hd] and a KV layer the attention kernels read: float32 q with contiguous
-    heads (rows may be strided), a contiguous float32 or bfloat16 cache, on the CPU."""
+    heads (rows may be strided), a contiguous float32, bfloat16 or float16 cache, on the CPU."""
     if not _f32(q):
         return "q is not float32 on the CPU"
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -597,13 +630,14 @@ def select_ops(backend: str, dtype: torch.dtype, kv_dtype: torch.dtype, device: 
         raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return TorchOps()
-    fits = device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.bfloat16)
+    compute = compute_dtype(dtype, device)
+    fits = device.type == "cpu" and compute == torch.float32 and kv_dtype in KV_FORMATS
     if not fits:
         if backend == "cpu":
             raise ValueError(
-                "kernel_backend 'cpu' runs float32 models with a float32 or bfloat16 KV cache on the CPU only, "
-                "got dtype "
-                f"{dtype}, KV cache {kv_dtype} on {device}; use 'auto' or 'torch'"
+                "kernel_backend 'cpu' runs float32 compute (every model on the CPU) with a float32, bfloat16 or "
+                f"float16 KV cache on the CPU only, got dtype {dtype} (compute {compute}), KV cache {kv_dtype} on "
+                f"{device}; use 'auto' or 'torch'"
             )
         return TorchOps()
     try:

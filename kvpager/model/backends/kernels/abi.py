@@ -8,7 +8,7 @@ receives it (the caller never passes sizes or strides). The layouts are document
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -16,14 +16,20 @@ from kvpager.model.backends.kernels.binding import Float, Int, KernelSpec, Tenso
 
 F32 = (torch.float32,)
 I64 = (torch.int64,)
-KV = (torch.float32, torch.bfloat16)  # KV cache elements; "kv" binds their element size
+KV = (torch.float32, torch.bfloat16, torch.float16)  # KV cache elements; "kv" binds their element size
+# kv_format: how the kernels read the KV cache's elements (kKvFloat32 / kKvBfloat16 / kKvFloat16 in common.h)
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
 
 Sym = Mapping[str, int]
 
 
-def _kv_bf16(s: Sym) -> int:
-    return int(s["kv"] == 2)
+def _kv_format_check(cache: str) -> tuple[str, Callable[[Mapping[str, torch.Tensor], Sym], bool]]:
+    """kv_format (the caller's) names the dtype of the `cache` tensor: the kernel reads its elements so."""
+    return (
+        f"kv_format is the {cache} tensor's dtype (0 float32, 1 bfloat16, 2 float16)",
+        lambda t, s: KV_FORMATS[t[cache].dtype] == s["kv_format"],
+    )
 
 
 def _slots(s: Sym) -> int:
@@ -160,7 +166,7 @@ SPECS: tuple[KernelSpec, ...] = (
             ("k_cache", _cache(writes=True)),
             ("v_cache", _cache(writes=True)),
             ("slots", Tensor(I64, ("num_tokens",), values=(_zero, _slots))),
-            ("kv_bf16", Int(_kv_bf16)),
+            ("kv_format", Int()),
         ),
         checks=(
             _HALF,
@@ -171,6 +177,7 @@ SPECS: tuple[KernelSpec, ...] = (
                 ),
             ),
         ),
+        tensor_checks=(_kv_format_check("k_cache"),),
     ),
     KernelSpec(
         "kvp_paged_decode",
@@ -190,9 +197,10 @@ SPECS: tuple[KernelSpec, ...] = (
             ("window", Int()),
             ("scale", Float()),
             ("partition", Int()),
-            ("kv_bf16", Int(_kv_bf16)),
+            ("kv_format", Int()),
         ),
         checks=(_GQA, _PARTITION),
+        tensor_checks=(_kv_format_check("k_cache"),),
     ),
     KernelSpec(
         "kvp_prefill_attention",
@@ -212,11 +220,12 @@ SPECS: tuple[KernelSpec, ...] = (
             ("max_blocks", Int("max_blocks")),
             ("window", Int()),
             ("scale", Float()),
-            ("kv_bf16", Int(_kv_bf16)),
+            ("kv_format", Int()),
         ),
         returns="int64_t",
         checks=(_GQA, ("window >= 0", lambda s: s["window"] >= 0)),
         tensor_checks=(
+            _kv_format_check("k_cache"),
             (
                 "each chunk's tokens lie in q and its queries in its context",
                 lambda t, s: bool(
@@ -260,7 +269,7 @@ SPECS: tuple[KernelSpec, ...] = (
             ("scale", Float()),
             ("partition", Int()),
             ("scratch", Tensor(F32, ("scratch_size",), writes=True)),
-            ("kv_bf16", Int(_kv_bf16)),
+            ("kv_format", Int()),
         ),
         checks=(
             _GQA,
@@ -275,5 +284,6 @@ SPECS: tuple[KernelSpec, ...] = (
                 ),
             ),
         ),
+        tensor_checks=(_kv_format_check("kv_cache"),),
     ),
 )

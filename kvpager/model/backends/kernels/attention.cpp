@@ -3,16 +3,18 @@
 
 namespace {
 
-using kvp::bf16_t;
 using kvp::fast_exp;
-using kvp::kv_load;
+using kvp::kv_axpy;
+using kvp::kv_dot;
 #if defined(__AVX512F__)
 using kvp::fast_exp16;
 using kvp::load16;
 using kvp::reduce16;
 #endif
 
-// Same for a head_dim known only at run time.
+// One (sequence, KV head, context partition) of decode attention for any head_dim (and every head_dim
+// without AVX-512: the AVX2 branch is in kv_dot / kv_axpy): online softmax per block, writing the
+// unnormalised accumulator acc[group][hd], the running max m[group] and sum l[group].
 template <typename T>
 void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, const T* __restrict k_cache,
                           const T* __restrict v_cache, const int64_t* __restrict table, int64_t block_size,
@@ -31,11 +33,7 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
     for (int64_t j = 0; j < n; ++j) {
       const T* kr = k_cache + base + j * kv_stride;
       for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * hd;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < hd; ++i) s += qg[i] * kv_load(kr[i]);
-        scores[g * block_size + j] = s * scale;
+        scores[g * block_size + j] = kv_dot(q + g * hd, kr, hd) * scale;
       }
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -54,12 +52,7 @@ void decode_partition_any(const float* __restrict q, int64_t group, int64_t hd, 
       float* __restrict a = acc + g * hd;
 #pragma omp simd
       for (int64_t i = 0; i < hd; ++i) a[i] *= alpha;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = s[j];
-        const T* __restrict vr = v_cache + base + j * kv_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) a[i] += p * kv_load(vr[i]);
-      }
+      for (int64_t j = 0; j < n; ++j) kv_axpy(s[j], v_cache + base + j * kv_stride, a, hd);
     }
     pos += n;
   }
@@ -290,16 +283,13 @@ void kvp_paged_decode(const float* q, int64_t q_stride, float* out, int64_t out_
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* block_tables,
                       int64_t max_blocks, const int64_t* seq_lens, int64_t window, float scale, int64_t partition,
-                      int64_t kv_bf16) {
-  if (kv_bf16 != 0) {
-    paged_decode(q, q_stride, out, out_stride, rows, num_seqs, num_heads, num_kv_heads, head_dim,
-                 static_cast<const bf16_t*>(k_cache), static_cast<const bf16_t*>(v_cache), block_size, block_tables,
-                 max_blocks, seq_lens, window, scale, partition);
-  } else {
-    paged_decode(q, q_stride, out, out_stride, rows, num_seqs, num_heads, num_kv_heads, head_dim,
-                 static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_size, block_tables,
-                 max_blocks, seq_lens, window, scale, partition);
-  }
+                      int64_t kv_format) {
+  kvp::with_kv(kv_format, k_cache, [&](auto k) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+    paged_decode(q, q_stride, out, out_stride, rows, num_seqs, num_heads, num_kv_heads, head_dim, k,
+                 static_cast<const T*>(v_cache), block_size, block_tables, max_blocks, seq_lens, window, scale,
+                 partition);
+  });
 }
 
 }  // extern "C"

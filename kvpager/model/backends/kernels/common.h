@@ -11,13 +11,15 @@
 // Every function mirrors a torch reference in kvpager/model/backends/ops.py (TorchOps); the tests compare them.
 // Layouts (row-major, float32 unless stated):
 //   qkv row:   [num_heads * head_dim | num_kv_heads * head_dim (K) | num_kv_heads * head_dim (V)]
-//   KV cache:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16
+//   KV cache:  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or
+//              float16 (kv_format 0 / 1 / 2); 16-bit elements are widened to float32 in registers on
+//              load and rounded to nearest even on store, so every kernel computes in float32
 //   cos, sin:  [num_tokens, head_dim / 2] (rotate-half RoPE, as transformers' Llama)
 
 #pragma once
 
 #include <omp.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace kvp {
@@ -32,23 +35,147 @@ namespace kvp {
 // Entries per layer in kvp_decode_layers' table (kvpager.model.ops builds it with the same width).
 constexpr int64_t kLayerTableWidth = 16;
 
-// KV cache elements: float32, or bfloat16 held as its upper 16 bits (torch's layout and rounding).
+// KV cache elements: float32, bfloat16 held as its upper 16 bits (torch's layout and rounding), or
+// IEEE float16 (a distinct type so that every template below picks its own conversion).
 using bf16_t = uint16_t;
+struct f16_t {
+  uint16_t bits;
+};
+constexpr int64_t kKvFloat32 = 0, kKvBfloat16 = 1, kKvFloat16 = 2;  // kv_format (abi.py)
+inline int64_t kv_bytes(int64_t kv_format) { return kv_format == kKvFloat32 ? 4 : 2; }
+
 inline float kv_load(float v) { return v; }
 inline float kv_load(bf16_t v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
+// float16 -> float32 is exact: F16C's vcvtph2ps where the target has it, else the bit layout by hand.
+inline float kv_load(f16_t v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v.bits);
+#else
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
+  const uint32_t exp = (v.bits >> 10) & 0x1Fu, man = v.bits & 0x3FFu;
+  if (exp == 0x1Fu) return __builtin_bit_cast(float, sign | 0x7F800000u | (man << 13));  // inf / NaN
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  return __builtin_bit_cast(float, sign | ((exp + 112u) << 23) | (man << 13));
+#endif
+}
 inline void kv_store(float* dst, float v) { *dst = v; }
 // Round to nearest even, NaN to 0x7FC0: bit for bit what torch's float -> bfloat16 conversion does.
 inline void kv_store(bf16_t* dst, float v) {
   const uint32_t b = __builtin_bit_cast(uint32_t, v);
   *dst = std::isnan(v) ? bf16_t(0x7FC0) : bf16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
+// Round to nearest even (overflow to inf, subnormals kept): what torch's float -> float16 does.
+inline void kv_store(f16_t* dst, float v) {
+#if defined(__F16C__)
+  dst->bits = static_cast<uint16_t>(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  // Scale so the float32 adder rounds the mantissa at float16's precision (normal and subnormal
+  // alike), then read the rounded exponent and mantissa back out of the sum.
+  const uint32_t w = __builtin_bit_cast(uint32_t, v), twice = w + w, sign = w & 0x80000000u;
+  float base = (std::fabs(v) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t bias = twice & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = __builtin_bit_cast(float, (bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = __builtin_bit_cast(uint32_t, base);
+  const uint32_t rounded = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+  dst->bits = static_cast<uint16_t>((sign >> 16) | (twice > 0xFF000000u ? 0x7E00u : rounded));
+#endif
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 load16(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVP_AVX2 1
+// 8 KV elements widened to float32 (the AVX2 branch of the loops below).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+// q . k over n elements, k in any KV format (float32 accumulation).
+template <typename T>
+inline float kv_dot(const float* __restrict q, const T* __restrict k, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(KVP_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+  s = hsum8(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s += q[i] * kv_load(k[i]);
+  return s;
+}
+
+// a += p * v over n elements, v in any KV format.
+template <typename T>
+inline void kv_axpy(float p, const T* __restrict v, float* __restrict a, int64_t n) {
+  int64_t i = 0;
+#if defined(KVP_AVX2)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(a + i)));
+#endif
+  for (; i < n; ++i) a[i] += p * kv_load(v[i]);
+}
+
+// dst[i] = src[i] widened to float32.
+template <typename T>
+inline void kv_widen(const T* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(KVP_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = kv_load(src[i]);
+}
+
+// dst[i] = src[i] rounded to T (the cache write).
+inline void kv_store_row(float* __restrict dst, const float* __restrict src, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void kv_store_row(bf16_t* __restrict dst, const float* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) kv_store(dst + i, src[i]);  // NOTE: the compiler vectorises this loop
+}
+inline void kv_store_row(f16_t* __restrict dst, const float* __restrict src, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) kv_store(dst + i, src[i]);
+}
+
+// Call f with the cache pointer cast to its element type (kv_format as in abi.py).
+template <typename F>
+inline void with_kv(int64_t kv_format, const void* p, F&& f) {
+  if (kv_format == kKvBfloat16) {
+    f(static_cast<const bf16_t*>(p));
+  } else if (kv_format == kKvFloat16) {
+    f(static_cast<const f16_t*>(p));
+  } else {
+    f(static_cast<const float*>(p));
+  }
+}
 
 // Parallelise a loop only when it is worth waking the thread pool.
 inline bool worth_threads(int64_t work) { return work >= (1 << 15) && omp_get_max_threads() > 1; }

@@ -194,20 +194,14 @@ void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter)
 void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, const float* cos, const float* sin, const float* q_norm,
                         const float* k_norm, float eps, void* k_cache, void* v_cache, const int64_t* slots,
-                        int64_t kv_bf16) {
+                        int64_t kv_format) {
   const int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
   auto store = [&](const float* k, int64_t slot) {
-    if (kv_bf16 != 0) {
-      kvp::bf16_t* kc = static_cast<kvp::bf16_t*>(k_cache) + slot * kv_size;
-      kvp::bf16_t* vc = static_cast<kvp::bf16_t*>(v_cache) + slot * kv_size;
-      for (int64_t i = 0; i < kv_size; ++i) {
-        kvp::kv_store(kc + i, k[i]);
-        kvp::kv_store(vc + i, k[kv_size + i]);
-      }
-    } else {
-      std::memcpy(static_cast<float*>(k_cache) + slot * kv_size, k, kv_size * sizeof(float));
-      std::memcpy(static_cast<float*>(v_cache) + slot * kv_size, k + kv_size, kv_size * sizeof(float));
-    }
+    kvp::with_kv(kv_format, k_cache, [&](auto typed) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+      kvp::kv_store_row(static_cast<T*>(k_cache) + slot * kv_size, k, kv_size);
+      kvp::kv_store_row(static_cast<T*>(v_cache) + slot * kv_size, k + kv_size, kv_size);
+    });
   };
 #pragma omp parallel for if (worth_threads(num_tokens * (num_heads + 2 * num_kv_heads) * head_dim))
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -238,10 +232,10 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
                        void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_bf16) {
+                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_format) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   // K -> V of one layer, in bytes
-  const int64_t half_stride = num_blocks * block_size * kv_size * (kv_bf16 != 0 ? 2 : 4);
+  const int64_t half_stride = num_blocks * block_size * kv_size * kvp::kv_bytes(kv_format);
   float* qkv = scratch;
   float* attn = qkv + M * qkv_size;
   float* gate_up = attn + M * q_size;
@@ -266,10 +260,10 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
     }
     linear(h, H, p[1], p[12], qkv_size, p[2], qkv);
     kvp_rope_and_cache(qkv, qkv_size, M, num_heads, num_kv_heads, head_dim, cos, sin, f(p[10]), f(p[11]), eps, k_cache,
-                       k_cache + half_stride, slots, kv_bf16);
+                       k_cache + half_stride, slots, kv_format);
     kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
                      k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition,
-                     kv_bf16);
+                     kv_format);
     linear(attn, q_size, p[3], p[13], H, p[4], x);
     kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
     linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up);

@@ -3,9 +3,7 @@
 
 namespace {
 
-using kvp::bf16_t;
 using kvp::fast_exp;
-using kvp::kv_load;
 #if defined(__AVX512F__)
 using kvp::fast_exp16;
 using kvp::load16;
@@ -40,8 +38,11 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
     const int64_t base = (table[kpos / block_size] * block_size + off) * kv_stride + kh * HD;
     const T* kb = k_cache + base;
     const T* vb = v_cache + base;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < HD; ++d) kt[d * 16 + j] = kv_load(kb[j * kv_stride + d]);
+    alignas(64) float krow[HD];
+    for (int64_t j = 0; j < n; ++j) {
+      kvp::kv_widen(kb + j * kv_stride, krow, HD);
+      for (int64_t d = 0; d < HD; ++d) kt[d * 16 + j] = krow[d];
+    }
     for (int64_t j = n; j < 16; ++j)
       for (int64_t d = 0; d < HD; ++d) kt[d * 16 + j] = 0.f;
 #if defined(__AVX512F__)
@@ -171,12 +172,13 @@ void prefill_block(const float* __restrict q, int64_t q_stride, float* __restric
         a0[i] = oa[i] * ala;
         a1[i] = ob[i] * alb;
       }
+      alignas(64) float vrow[HD];
       for (int64_t j = 0; j < n; ++j) {
-        const T* __restrict vr = vb + j * kv_stride;
+        kvp::kv_widen(vb + j * kv_stride, vrow, HD);  // NOTE: widened once (AVX2: 8 at a time) for both rows
         const float pja = pa[j], pjb = pb[j];
 #pragma omp simd
         for (int i = 0; i < HD; ++i) {
-          const float v = kv_load(vr[i]);
+          const float v = vrow[i];
           a0[i] += pja * v;
           a1[i] += pjb * v;
         }
@@ -241,16 +243,14 @@ int64_t kvp_prefill_attention(const float* q, int64_t q_stride, float* out, int6
                            const int64_t* token_start, const int64_t* query_len, const int64_t* seq_len,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const void* k_cache,
                            const void* v_cache, int64_t block_size, const int64_t* block_tables, int64_t max_blocks,
-                           int64_t window, float scale, int64_t kv_bf16) {
+                           int64_t window, float scale, int64_t kv_format) {
   if (head_dim != 64 && head_dim != 128) return 0;
-  if (kv_bf16 != 0)
+  kvp::with_kv(kv_format, k_cache, [&](auto k) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     prefill_attention(q, q_stride, out, out_stride, num_chunks, token_start, query_len, seq_len, num_heads,
-                      num_kv_heads, head_dim, static_cast<const bf16_t*>(k_cache), static_cast<const bf16_t*>(v_cache),
-                      block_size, block_tables, max_blocks, window, scale);
-  else
-    prefill_attention(q, q_stride, out, out_stride, num_chunks, token_start, query_len, seq_len, num_heads,
-                      num_kv_heads, head_dim, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
-                      block_size, block_tables, max_blocks, window, scale);
+                      num_kv_heads, head_dim, k, static_cast<const T*>(v_cache), block_size, block_tables, max_blocks,
+                      window, scale);
+  });
   return 1;
 }
 
