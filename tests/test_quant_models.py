@@ -2,7 +2,7 @@
 
 - A quantized model generates exactly the greedy tokens of a float32 model whose checkpoint holds
   the dequantized weights (so quantization changes the weights, nothing else).
-- Every format (bf16, int8, int4) gives the same tokens through prefix caching, preemption and the
+- Every format (bf16, fp16, int8, int4) gives the same tokens through prefix caching, preemption and the
   host KV tier as the same format run cold; its KV fingerprint names the format and weights.
 """
 
@@ -29,6 +29,7 @@ BF16_NEAR_TIE = 0.1
 NUM_NEW = 20  # cold runs; the tier test compares the first 6 (greedy: a prefix of the same run)
 FORMATS: dict[str, dict[str, object]] = {
     "bf16": {"dtype": "bfloat16"},
+    "fp16": {"dtype": "float16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4", "quantization_group_size": 32},
 }
@@ -42,7 +43,7 @@ FILLERS = [[RNG.randrange(3, 384) for _ in range(30)] for _ in range(6)]
 
 
 def _config(checkpoint: Path, fmt: str, num_blocks: int, **fields: object) -> EngineConfig:
-    kv_bytes = 2 if fmt == "bf16" else 4
+    kv_bytes = 2 if fmt in ("bf16", "fp16") else 4
     block_bytes = BLOCK * 2 * 2 * 2 * 16 * kv_bytes  # tiny llama: 2 layers, K+V, 2 KV heads, head_dim 16
     base = {"block_size": BLOCK, "kv_cache_memory": num_blocks * block_bytes, "max_num_seqs": 4}
     return EngineConfig(model=str(checkpoint), **{**base, **FORMATS[fmt], **fields})  # type: ignore[arg-type]
@@ -112,7 +113,7 @@ def _same_as_cold(fmt: str, got: list[int], cold: tuple[list[int], list[float]])
     where the cold run's top two logprobs are within BF16_NEAR_TIE (there a batch of another shape,
     which rounds its bf16 activations differently, may legitimately pick the other token)."""
     tokens, margins = cold
-    if fmt != "bf16":
+    if fmt not in ("bf16", "fp16"):  # NOTE: fp16 keeps a 16-bit KV cache (its rounding may flip likewise)
         return got == tokens
     for i, (a, b) in enumerate(zip(got, tokens, strict=True)):
         if a != b:
@@ -152,5 +153,5 @@ def test_every_format_gives_cold_tokens_under_preemption(
     assert finished.keys() == {f"f{i}" for i in range(len(FILLERS))}
     for name, tokens in finished.items():
         assert _same_as_cold(fmt, tokens, cold[fmt][name]), name
-    if fmt != "bf16":
+    if fmt not in ("bf16", "fp16"):
         assert finished == {name: cold[fmt][name][0] for name in finished}
