@@ -198,17 +198,23 @@ def quantized_matrix_bytes(out_features: int, in_features: int, method: str, gro
 def engine_weight_bytes(
     facts: ModelFacts, counts: ParamCounts, dtype: str, quantization: str | None, group: int | None
 ) -> int:
-    """Exactly what `kvpager serve --dtype DTYPE --quantization Q` holds: the projections packed, the
-    embedding, lm_head, norms and biases in `dtype` (tied embeddings once)."""
+    """Exactly what `kvpager serve --dtype DTYPE --quantization Q` holds on the CPU: the projections
+    packed, the embedding and lm_head in `dtype` (tied embeddings once); norms and biases in float32,
+    the compute dtype of every CPU model; a float16 model's linear weights (lm_head included, so a
+    tied embedding too) widened to float32 (kvpager.model.precision's rule, docs/precision.md)."""
     if dtype not in ENGINE_DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPE_BYTES)}, got {dtype!r}")
     element = ENGINE_DTYPE_BYTES[dtype]
+    compute = ENGINE_DTYPE_BYTES["float32"]
     if quantization is None:
-        return counts.total * element
+        if dtype == "float16":
+            embedding = compute if facts.tie_word_embeddings else element
+            return counts.embedding * embedding + (counts.lm_head + counts.linear + counts.other) * compute
+        return (counts.embedding + counts.lm_head + counts.linear) * element + counts.other * compute
     shapes = engine_linear_shapes(facts)
     packed = sum(quantized_matrix_bytes(n, k, quantization, group) for n, k in shapes)
-    dense = counts.total - sum(n * k for n, k in shapes)
-    return packed + dense * element
+    dense = counts.total - sum(n * k for n, k in shapes) - counts.other
+    return packed + dense * element + counts.other * compute
 
 
 def engine_format(dtype: str, quantization: str | None, group: int | None) -> WeightFormat:
