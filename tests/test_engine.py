@@ -228,13 +228,15 @@ def test_fp32_matmul_precision_is_in_force_while_the_model_runs_and_restored_aft
     assert config_from_args(parser.parse_args(["--fp32-matmul-precision", "medium"])).fp32_matmul_precision == "medium"
 
 
-def test_unknown_kernel_backend_and_kernels_for_bf16_are_refused(llama_checkpoint: Path) -> None:
+def test_unknown_kernel_backend_is_refused_and_bf16_runs_in_the_cpu_kernels(llama_checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="kernel_backend must be one of"):
         EngineConfig(model=str(llama_checkpoint), kernel_backend="avx9")
-    with pytest.raises(ValueError, match="float32"):
-        Engine(
-            EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, dtype="bfloat16", kernel_backend="cpu")
-        )
+    # a bfloat16 model computes in float32 on the CPU (kvpager.model.precision): the kernels take it
+    engine = Engine(
+        EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 22, dtype="bfloat16", kernel_backend="cpu")
+    )
+    assert engine.loaded.model.ops.name == "cpu" and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert len(run_greedy(engine, [1, 2, 3], 3)[0]) == 3
 
 
 def test_engine_reports_its_ops_kernel_fallbacks_for_metrics(llama_checkpoint: Path) -> None:
