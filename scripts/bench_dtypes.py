@@ -7,10 +7,13 @@ every round, A B C C B A ...), so a change in machine load hits every dtype alik
 Prefix caching is off so both runs prefill the same way. Prints per-phase rates, the medians and
 each dtype's ratio to float32 (ratios are what a shared machine can report; rates need a quiet one).
 
-Shapes: "demo" (the bundled kvpager/demo_model) and the random-weight shapes of
-kvpager.bench.dummy_models (`llama-3.2-1b`, ...; `load_format="dummy"`, nothing downloaded).
+Shapes: "demo" (the bundled kvpager/demo_model), the random-weight shapes of
+kvpager.bench.dummy_models (`llama-3.2-1b`, ...; `load_format="dummy"`, nothing downloaded), or
+any checkpoint directory given as a path. A format is a dtype, optionally with a weight
+quantization: `bfloat16+int4` is `dtype="bfloat16", quantization="int4"`.
 
   python scripts/bench_dtypes.py --shapes demo,llama-3.2-1b --batches 1,8 --rounds 3 --threads 2
+  python scripts/bench_dtypes.py --shapes models/llama-1b --dtypes bfloat16,bfloat16+int8,bfloat16+int4
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from kvpager.bench.dummy_models import make_dummy_model_dir  # noqa: E402
 DEMO = ROOT / "kvpager" / "demo_model"
 
 
-def _llm(shape: str, dtype: str, workdir: Path, args: argparse.Namespace) -> LLM:
+def _llm(shape: str, fmt: str, workdir: Path, args: argparse.Namespace) -> LLM:
+    dtype, _, quantization = fmt.partition("+")
     common = {
         "dtype": dtype,
+        "quantization": quantization or None,
         "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": False,
         "num_threads": args.threads,
@@ -45,6 +50,8 @@ def _llm(shape: str, dtype: str, workdir: Path, args: argparse.Namespace) -> LLM
     }
     if shape == "demo":
         return LLM(model=str(DEMO), **common)
+    if Path(shape).is_dir():
+        return LLM(model=shape, **common)
     path = make_dummy_model_dir(workdir / shape, shape)
     return LLM(model=str(path), load_format="dummy", **common)
 
@@ -91,10 +98,10 @@ def main() -> None:
             results[shape] = rates
             del llms
             gc.collect()
-    print("\nmedian decode tok/s (ratio to float32)")
+    print(f"\nmedian decode tok/s (ratio to {dtypes[0]})")
     for shape, rates in results.items():
         for batch in batches:
-            base = statistics.median(rates["float32"][str(batch)]) if "float32" in rates else None
+            base = statistics.median(rates[dtypes[0]][str(batch)])
             cells = []
             for dtype in dtypes:
                 m = statistics.median(rates[dtype][str(batch)])
