@@ -136,12 +136,14 @@ from kvpager.gguf import open_gguf
 from kvpager.model import load_model
 from kvpager.model.loader import model_weight_bytes
 from kvpager.model.llama import CausalLM
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.spec import spec_from_gguf
 def status(key):  # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
 gguf_model = open_gguf(sys.argv[1])
 with torch.device("meta"):  # torch's one-time meta-device set-up (~80 MB) is not the loader's
     CausalLM(spec_from_gguf(gguf_model))
+quant_kernels_or_none()  # the packed-weight kernel library's one-time load (code, OpenMP) is not the loader's
 rss_before = status("VmRSS:")
 model = load_model(
     sys.argv[1], dtype=torch.float32, device="cpu", kernel_backend="torch", gguf_model=gguf_model,

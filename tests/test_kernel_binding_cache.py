@@ -90,6 +90,7 @@ def _decode_args(tables: list[list[int]], seq_lens: list[int]) -> dict[str, Any]
         "window": 0,
         "scale": 0.25,
         "partition": 256,
+        "kv_format": 0,  # float32 blocks
     }
 
 
@@ -131,6 +132,7 @@ def test_the_prefill_kernels_tensor_checks_run_on_every_call(kernels: Any) -> No
     prefill = _fresh(kernels, "kvp_prefill_attention")
     q, out, cache = torch.randn(5, 2, 64), torch.zeros(5, 2, 64), torch.randn(2, 4, 4, 1, 64)
     common = {"q": q, "out": out, "k_cache": cache[0], "v_cache": cache[1], "window": 0, "scale": 0.125}
+    common["kv_format"] = 0  # float32 blocks
     common["block_tables"] = torch.tensor([[0, 1]])
     ok = {"token_start": torch.tensor([0]), "query_len": torch.tensor([5]), "seq_len": torch.tensor([7])}
     assert prefill(**common, **ok) == 1
