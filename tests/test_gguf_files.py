@@ -130,6 +130,8 @@ def test_plan_cli_on_a_gguf_file_does_not_import_torch(q8_file: Path) -> None:
     assert plan["weight_bytes"] == open_gguf(q8_file).tensor_bytes()
 
 
+TINY_Q4_0 = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-Q4_0.gguf"
+
 _MEMORY_PROBE = """
 import json, sys, torch
 from kvpager.gguf import open_gguf
@@ -144,11 +146,17 @@ gguf_model = open_gguf(sys.argv[1])
 with torch.device("meta"):  # torch's one-time meta-device set-up (~80 MB) is not the loader's
     CausalLM(spec_from_gguf(gguf_model))
 quant_kernels_or_none()  # the packed-weight kernel library's one-time load (code, OpenMP) is not the loader's
+def load(path, gguf_model):
+    return load_model(
+        path, dtype=torch.float32, device="cpu", kernel_backend="torch", gguf_model=gguf_model,
+        gguf_dequantize=sys.argv[2] == "floats",
+    )
+# a warm-up load of a tiny file (same mode) takes the one-time costs of the load path (allocator
+# arenas, first calls), which differ between environments and are not copies of the weights
+del_me = load(sys.argv[3], open_gguf(sys.argv[3]))
+del del_me
 rss_before = status("VmRSS:")
-model = load_model(
-    sys.argv[1], dtype=torch.float32, device="cpu", kernel_backend="torch", gguf_model=gguf_model,
-    gguf_dequantize=sys.argv[2] == "floats",
-)
+model = load(sys.argv[1], gguf_model)
 weights = model_weight_bytes(model)
 print(json.dumps({"growth": status("VmHWM:") - rss_before, "weights": weights, "file": gguf_model.tensor_bytes()}))
 """
@@ -164,7 +172,10 @@ def test_loading_a_quantized_file_holds_one_copy_of_the_weights(tmp_path: Path) 
     path = write_gguf(checkpoint, tmp_path / "model-q8_0.gguf", tensor_type="Q8_0")
     for mode, min_weights in (("floats", 80 * 2**20), ("packed", 20 * 2**20)):
         out = subprocess.run(
-            [sys.executable, "-c", _MEMORY_PROBE, str(path), mode], capture_output=True, text=True, check=True
+            [sys.executable, "-c", _MEMORY_PROBE, str(path), mode, str(TINY_Q4_0)],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         probe = json.loads(out.stdout.strip().splitlines()[-1])
         print(
