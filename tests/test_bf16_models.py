@@ -29,7 +29,7 @@ from test_model_equivalence import PagedHarness, _prompts
 from kvpager.core.config import EngineConfig, resolve_dtype
 from kvpager.engine.engine import Engine
 from kvpager.model import load_model
-from kvpager.model.backends.quant_weights import Bf16Weight
+from kvpager.model.backends.quant_weights import Bf16Weight, F16Weight
 
 BF16_STEP = 2.0**-7
 FP16_STEP = 2.0**-10
@@ -104,6 +104,26 @@ def test_engine_with_dtype_auto_runs_a_bf16_checkpoint_in_bf16_without_float32_w
     assert engine.loaded.weight_bytes == 2 * model.spec.num_parameters() + 2 * small
     float_engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=1 << 20))
     assert float_engine.config.dtype == "float32"
+
+
+def test_fp16_engine_keeps_linear_weights_in_float16_at_half_the_float32_bytes(
+    fp16_checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """float16 linear weights stay 16-bit (the packed-weight kernel widens them), so the resident weight
+    bytes are half of the same model in float32, bar the float32 norms and biases."""
+    path = fp16_checkpoints["qwen2_bias_tied"]  # biases and a tied lm_head/embedding: both stay float16
+    with caplog.at_level("INFO", logger="kvpager"):
+        engine = Engine(EngineConfig(model=str(path), dtype="float16", kv_cache_memory=1 << 20))
+    assert "precision: compute float32, linear weights float16" in caplog.text
+    model = engine.loaded.model
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(qkv, F16Weight) or qkv.dtype == torch.float16  # F16Weight: with a C++ compiler
+    assert model.embed_tokens.weight.dtype == torch.float16
+    small = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)  # norms, biases
+    assert 0 < small < 0.01 * model.spec.num_parameters()
+    f32 = Engine(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=1 << 20))
+    assert f32.loaded.weight_bytes == 4 * model.spec.num_parameters()
+    assert engine.loaded.weight_bytes == f32.loaded.weight_bytes // 2 + 2 * small
 
 
 def _logit_runs(

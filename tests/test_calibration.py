@@ -52,6 +52,7 @@ def test_engine_logs_the_pool_it_allocates(llama_checkpoint: Path, caplog: pytes
 ENGINE_FORMATS = {
     "float32": ({"dtype": "float32"}, ["--dtype", "float32"]),
     "bf16": ({"dtype": "bfloat16"}, ["--dtype", "bfloat16"]),
+    "fp16": ({"dtype": "float16"}, ["--dtype", "float16"]),
     "int8": ({"quantization": "int8"}, ["--quantization", "int8", "--dtype", "auto"]),
     "int8_g32": (
         {"quantization": "int8", "quantization_group_size": 32},
@@ -73,7 +74,7 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_in_every_format(
     budget = 1 << 20
     engine = Engine(EngineConfig(model=str(llama_checkpoint), kv_cache_memory=budget, **fields))  # type: ignore[arg-type]
     kv = engine.config.resolved_kv_cache_dtype
-    kv_flag = {"float32": "fp32", "bfloat16": "bf16"}[kv]
+    kv_flag = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[kv]
     rc = plan_main([str(llama_checkpoint), "--kv-cache-memory", str(budget), "--kv-dtype", kv_flag, "--json", *flags])
     assert rc in (0, 1)
     plan = json.loads(capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""Packed-weight linears (bf16, int8, int4) against a dequantize-then-matmul reference.
+"""Packed-weight linears (bf16, fp16, int8, int4) against a dequantize-then-matmul reference.
 
 The reference multiplies the float32 dequantized weight (`dequantize()`, plain torch) with x in
 float64. The kernels sum the same float32 products in another order (group partial sums times the
@@ -21,6 +21,7 @@ from kvpager.model.backends.quant_weights import (
     DEQUANT_CHUNK_ROWS,
     KERNEL_MAX_ROWS,
     Bf16Weight,
+    F16Weight,
     Int4Weight,
     Int8Weight,
     PackedWeight,
@@ -32,6 +33,7 @@ BATCHES = [1, 2, 3, 16, 64, KERNEL_MAX_ROWS + 1]
 SHAPES = [(37, 100), (64, 256), (530, 129)]  # N not a multiple of any tile; K not a multiple of the group
 FORMATS = {
     "bf16": lambda w: Bf16Weight(w.to(torch.bfloat16)),
+    "fp16": lambda w: F16Weight(w.to(torch.float16)),
     "int8_channel": lambda w: Int8Weight.from_float(w),
     "int8_g32": lambda w: Int8Weight.from_float(w, 32),
     "int4_g32": lambda w: Int4Weight.from_float(w, 32),
@@ -147,6 +149,26 @@ def test_malformed_packed_weights_are_refused_with_the_reason() -> None:
         Int4Weight.from_codes(torch.full((2, 32), 16), torch.ones(2, 1), torch.zeros(2, 1), 32)
     with pytest.raises(ValueError, match="bfloat16"):
         Bf16Weight(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="float16"):
+        F16Weight(torch.zeros(3, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", list(LEVELS))
+def test_fp16_weights_widen_exactly_subnormals_and_extremes_included(isa: str) -> None:
+    """float16's whole range through the kernel's widening (F16C or the portable bit-layout path):
+    subnormals, the smallest and largest normals, signed zeros, against torch's exact .float()."""
+    level = _level_or_skip(isa)
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(0, 0x7C00, (48, 80), generator=gen, dtype=torch.int32)  # every finite magnitude
+    bits[:, :16] = torch.randint(0, 0x400, (48, 16), generator=gen, dtype=torch.int32)  # subnormals
+    bits[0, :4] = torch.tensor([0x0001, 0x03FF, 0x0400, 0x7BFF])  # min subnormal, max subnormal, min/max normal
+    bits |= torch.randint(0, 2, bits.shape, generator=gen, dtype=torch.int32) << 15  # either sign
+    weight = F16Weight(bits.to(torch.int16).view(torch.float16))
+    weight.max_level = level
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 80, generator=gen) * 1e-3
+        _assert_float32_exact(weight.matmul(x, None), x, weight, None)
+    assert weight.dequantize()[0, :4].abs().tolist() == [2.0**-24, 1023 * 2.0**-24, 2.0**-14, 65504.0]
 
 
 def test_the_kernel_path_follows_the_cpu_features_and_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +181,7 @@ def test_the_kernel_path_follows_the_cpu_features_and_the_isa_switch(monkeypatch
         LEVEL_AVX512
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
         else LEVEL_AVX2
-        if {"avx2", "fma"} <= flags
+        if {"avx2", "fma", "f16c"} <= flags
         else LEVEL_PORTABLE
     )
     monkeypatch.delenv("KVPAGER_KERNEL_ISA", raising=False)

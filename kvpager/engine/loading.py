@@ -172,7 +172,7 @@ def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.devic
     """One start-up line: the dtype chosen and why, the quantization, and the linear layers' code path."""
     if device.type != "cpu":
         path = "torch on " + device.type + (" (packed weights dequantized per call)" if config.quantization else "")
-    elif config.quantization is not None or config.dtype == "bfloat16":
+    elif config.quantization is not None or config.dtype in ("bfloat16", "float16"):
         kernels = quant_kernels_or_none()
         path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
         path += f" up to its batch limit; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "

@@ -20,7 +20,6 @@ import hashlib
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kvpager.gguf.blocks import BlockCodes
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
@@ -80,27 +79,6 @@ class AffineInt8Weight(PackedWeight):
         sums = x.reshape(-1, self.in_features // self.group_size, self.group_size).float().sum(-1)
         out += sums @ self.offsets.to(sums.device).T
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-
-class DenseWeight(PackedWeight):
-    """A float tensor as a packed weight: a float part of a fused projection whose other parts are packed."""
-
-    method = "dense"
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight.contiguous()
-        self.out_features, self.in_features = self.weight.shape
-        self.group_size = self.in_features
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.weight,)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight.to(dtype)
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 class RowStack(PackedWeight):

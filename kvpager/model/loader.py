@@ -25,8 +25,8 @@ from kvpager.core.config import LOAD_FORMATS, QUANTIZATIONS
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.ops import select_ops
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
-from kvpager.model.backends.quant_weights import Bf16Weight, PackedWeight, cat_rows, quantize
-from kvpager.model.gguf_packed import DenseWeight, layout_of, stack_rows
+from kvpager.model.backends.quant_weights import HALF_WEIGHTS, DenseWeight, HalfWeight, PackedWeight, cat_rows, quantize
+from kvpager.model.gguf_packed import layout_of, stack_rows
 from kvpager.model.gguf_weights import GGUFWeights
 from kvpager.model.llama import CausalLM
 from kvpager.model.parallel import TensorParallel, shard_spec
@@ -162,8 +162,8 @@ def load_model(
     if parallel is not None:
         kernel_backend = "torch"  # NOTE: config validation refuses "cpu" with tensor parallelism
     model.finish_loading(dtype, device, select_ops(kernel_backend, dtype, kv_dtype or dtype, device))
-    if dtype == torch.bfloat16 and device.type == "cpu" and quant_kernels_or_none() is not None:
-        _wrap_bf16_linears(model)
+    if dtype in HALF_WEIGHTS and device.type == "cpu" and quant_kernels_or_none() is not None:
+        _wrap_half_linears(model)
     return model
 
 
@@ -253,7 +253,7 @@ def model_weight_bytes(model: nn.Module) -> int:
 
 def quantized_weights_digest(model: nn.Module) -> str:
     """sha256 over the quantized weights (method, shape, stored bytes), "" when none are quantized."""
-    quantized = {n: w for n, w in packed_weights(model).items() if not isinstance(w, Bf16Weight)}
+    quantized = {n: w for n, w in packed_weights(model).items() if not isinstance(w, HalfWeight)}
     if not quantized:
         return ""
     h = hashlib.sha256()
@@ -266,16 +266,17 @@ def quantized_weights_digest(model: nn.Module) -> str:
 def packed_layout_digest(model: nn.Module) -> str:
     """sha256 over how each packed linear weight executes (name, format, group, shape), "" when none is
     packed: with a GGUF file's data digest, it names the weights a GGUF model computes with."""
-    layouts = [f"{n}={layout_of(w)}" for n, w in packed_weights(model).items() if not isinstance(w, Bf16Weight)]
+    layouts = [f"{n}={layout_of(w)}" for n, w in packed_weights(model).items() if not isinstance(w, HalfWeight)]
     return hashlib.sha256("\n".join(layouts).encode()).hexdigest() if layouts else ""
 
 
-def _wrap_bf16_linears(model: CausalLM) -> None:
-    """bfloat16 linear weights (projections and lm_head) read by the packed-weight kernel at decode."""
+def _wrap_half_linears(model: CausalLM) -> None:
+    """bfloat16 / float16 linear weights (projections and lm_head) read by the packed-weight kernel."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor):
-            if module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
-                set_linear_weight(model, f"{name}.weight", Bf16Weight(module.weight.detach()))
+            kind = HALF_WEIGHTS.get(module.weight.dtype)
+            if kind is not None and module.weight.is_contiguous():
+                set_linear_weight(model, f"{name}.weight", kind(module.weight.detach()))
 
 
 def _materialise(

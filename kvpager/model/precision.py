@@ -13,11 +13,12 @@ The rule (`plan_precision`; docs/precision.md explains the measurements behind i
   with AVX512-BF16/AMX only the large-batch GEMM changes (oneDNN's bf16 GEMM on bf16-rounded
   activations, Bf16Weight.matmul); without them (AVX2) bfloat16 arithmetic in torch is emulated and
   several times slower than float32, so nothing but the weight/KV storage is bfloat16.
-- CPU, float16 model: float16 -> float32 is exact, and there is no float16 linear kernel yet, so the
-  linear weights are widened to float32 at load (no memory saving; correct to float32 rounding of
-  the float16 weights) and the KV cache is stored in float16 (F16C's vcvtph2ps/vcvtps2ph in the
-  kernels). `--dtype auto` never picks float16 on the CPU (vLLM's rule: float16 checkpoints run in
-  bfloat16 there).
+- CPU, float16 model: as bfloat16: the linear weights and the embedding stay float16 (half the
+  bytes), widened exactly to float32 in registers (F16C's vcvtph2ps; the portable kernel by the bit
+  layout) with float32 accumulation (F16Weight); large batches dequantize chunks of rows to float32
+  for torch's GEMM. The KV cache is stored in float16 (vcvtph2ps/vcvtps2ph in the kernels).
+  `--dtype auto` never picks float16 on the CPU (vLLM's rule: float16 checkpoints run in bfloat16
+  there).
 
 The norm weights and biases are small (hidden-size vectors) and kept in the compute dtype.
 
@@ -90,8 +91,8 @@ def plan_precision(dtype: torch.dtype, device: torch.device | str) -> PrecisionP
         return PrecisionPlan(
             dtype,
             torch.float32,
-            torch.float32,
-            f"CPU {features}: no float16 linear kernel, weights widened to float32 (exact); float16 KV cache",
+            torch.float16,
+            f"CPU {features}: float16 weights and KV cache widened in registers (exact), float32 kernels",
         )
     raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
 

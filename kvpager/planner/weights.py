@@ -200,16 +200,12 @@ def engine_weight_bytes(
 ) -> int:
     """Exactly what `kvpager serve --dtype DTYPE --quantization Q` holds on the CPU: the projections
     packed, the embedding and lm_head in `dtype` (tied embeddings once); norms and biases in float32,
-    the compute dtype of every CPU model; a float16 model's linear weights (lm_head included, so a
-    tied embedding too) widened to float32 (kvpager.model.precision's rule, docs/precision.md)."""
+    the compute dtype of every CPU model (kvpager.model.precision's rule, docs/precision.md)."""
     if dtype not in ENGINE_DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPE_BYTES)}, got {dtype!r}")
     element = ENGINE_DTYPE_BYTES[dtype]
     compute = ENGINE_DTYPE_BYTES["float32"]
     if quantization is None:
-        if dtype == "float16":
-            embedding = compute if facts.tie_word_embeddings else element
-            return counts.embedding * embedding + (counts.lm_head + counts.linear + counts.other) * compute
         return (counts.embedding + counts.lm_head + counts.linear) * element + counts.other * compute
     shapes = engine_linear_shapes(facts)
     packed = sum(quantized_matrix_bytes(n, k, quantization, group) for n, k in shapes)

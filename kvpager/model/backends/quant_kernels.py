@@ -37,6 +37,7 @@ FLAGS = (
     "-shared", "-fPIC", "-std=c++17",
 )  # fmt: skip
 FMT_BF16, FMT_INT8, FMT_INT4 = 0, 1, 2
+FMT_F16 = 3  # IEEE float16 weights (kFmtF16 in quant.cpp)
 LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512 = 0, 1, 2
 LEVEL_NAMES = {LEVEL_AVX512: "AVX-512", LEVEL_AVX2: "AVX2+FMA", LEVEL_PORTABLE: "portable C++"}
 

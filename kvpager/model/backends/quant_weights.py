@@ -1,9 +1,10 @@
-"""Linear weights stored packed: bfloat16, int8 and int4 (weight-only quantization), each with its matmul.
+"""Linear weights stored packed: bfloat16, float16, int8 and int4 (weight-only quantization), each with its matmul.
 
 A packed weight replaces an `nn.Linear`'s weight tensor after loading; the ops (ops.py) hand any
 weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internals.md):
 
-- `Bf16Weight`: the bfloat16 tensor itself (no copy), read by the kernel at decode batch sizes.
+- `Bf16Weight`, `F16Weight` (`HalfWeight`s): the bfloat16 / float16 tensor itself (no copy), read by
+  the kernel (widened in registers). `DenseWeight`, their base: any float tensor, multiplied in torch.
 - `Int8Weight`: symmetric, w = q * scale, q in [-127, 127] int8, one float32 scale per output channel
   and group of `group_size` input features (per output channel: group_size = in_features).
   GGUF Q8_0 (blocks of 32 int8 with an fp16 scale) is `Int8Weight(qs, d.float(), 32)` exactly.
@@ -25,7 +26,14 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from kvpager.model.backends.quant_kernels import FMT_BF16, FMT_INT4, FMT_INT8, QuantKernels, quant_kernels_or_none
+from kvpager.model.backends.quant_kernels import (
+    FMT_BF16,
+    FMT_F16,
+    FMT_INT4,
+    FMT_INT8,
+    QuantKernels,
+    quant_kernels_or_none,
+)
 
 # up to this many input rows the kernel's shared L1 tile beat dequantize + torch's float32 GEMM (2048 x 2048,
 # every format, 32-128 rows); beyond it the GEMM path amortises the dequantization over the rows
@@ -132,15 +140,16 @@ class PackedWeight:
         raise NotImplementedError
 
 
-class Bf16Weight(PackedWeight):
-    """A bfloat16 weight (the tensor itself, no copy) read by the kernel at decode batch sizes."""
+class DenseWeight(PackedWeight):
+    """A float tensor as a packed weight (the tensor itself, no copy), multiplied in torch: the float
+    part of a fused GGUF projection whose other parts are packed, and the base of the 16-bit weights."""
 
-    fmt, method = FMT_BF16, "bfloat16"
+    method = "dense"
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-            raise ValueError(f"Bf16Weight needs a 2-D bfloat16 tensor, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dim() != 2 or not weight.dtype.is_floating_point:
+            raise ValueError(f"{type(self).__name__} needs a 2-D float tensor, got {weight.dtype} {tuple(weight.shape)}")
         self.weight = weight.contiguous()
         self.out_features, self.in_features = self.weight.shape
         self.group_size = self.in_features
@@ -152,12 +161,47 @@ class Bf16Weight(PackedWeight):
         return self.weight.to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+class HalfWeight(DenseWeight):
+    """A 16-bit float weight (bfloat16 or float16) read by the packed-weight kernel: widened to float32
+    in registers, float32 accumulation (not a quantization: KV fingerprints do not commit to it)."""
+
+    dtype: torch.dtype
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype != self.dtype or weight.dim() != 2:
+            raise ValueError(
+                f"{type(self).__name__} needs a 2-D {self.method} tensor, got {weight.dtype} {tuple(weight.shape)}"
+            )
+        super().__init__(weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return PackedWeight.matmul(self, x, bias)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.weight.data_ptr(), None, None
+
+
+class Bf16Weight(HalfWeight):
+    """A bfloat16 weight; large batches on CPUs with AMX / AVX512-BF16 in oneDNN's bf16 GEMM."""
+
+    fmt, method, dtype = FMT_BF16, "bfloat16", torch.bfloat16
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_MIN_ROWS and _native_bf16():
             return F.linear(x.to(torch.bfloat16), self.weight, bias).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
         return super().matmul(x, bias)
 
-    def _pointers(self) -> tuple[int, int | None, int | None]:
-        return self.weight.data_ptr(), None, None
+
+class F16Weight(HalfWeight):
+    """A float16 weight (F16C's vcvtph2ps widens it exactly); large batches dequantize in chunks."""
+
+    fmt, method, dtype = FMT_F16, "float16", torch.float16
+
+
+HALF_WEIGHTS: dict[torch.dtype, type[HalfWeight]] = {torch.bfloat16: Bf16Weight, torch.float16: F16Weight}
 
 
 class Int8Weight(PackedWeight):

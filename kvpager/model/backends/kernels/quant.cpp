@@ -4,6 +4,7 @@
 // The weights are read in their packed form and dequantized in registers (or, for 3+ input rows, into
 // an L1 tile shared by all rows); products accumulate in float32. Formats (quant_weights.py):
 //   kFmtBf16: w uint16 [N, K] (bfloat16 bits), no scales.
+//   kFmtF16:  w uint16 [N, K] (IEEE float16 bits), no scales (widened exactly: F16C / bit layout).
 //   kFmtInt8: w int8 [N, K]; w[n, k] = q * scales[n, k / group]           (symmetric)
 //   kFmtInt4: w uint8 [N, row_bytes], row_bytes = ceil(K / 16) * 8; within every span of 16 weights
 //             byte j (0..7) holds weight j in its low nibble and weight j + 8 in its high nibble;
@@ -26,9 +27,9 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define KVQ_X86 1
-#define KVQ_PUSH_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define KVQ_PUSH_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
 #define KVQ_PUSH_AVX512 \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma\")")
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c\")")
 #define KVQ_POP _Pragma("GCC pop_options")
 #endif
 
@@ -39,6 +40,9 @@ namespace {
 constexpr int64_t kFmtBf16 = 0;
 constexpr int64_t kFmtInt8 = 1;
 constexpr int64_t kFmtInt4 = 2;
+constexpr int64_t kFmtF16 = 3;
+// The 16-bit float formats: the weight itself, no scale or offset.
+constexpr bool unscaled(int64_t fmt) { return fmt == kFmtBf16 || fmt == kFmtF16; }
 constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1, kLevelAvx512 = 2;
 
 struct Packed {
@@ -48,9 +52,10 @@ struct Packed {
   const float* offsets;
 };
 
-// The stored value (code for int4, q for int8, the weight for bf16) before scale/offset.
+// The stored value (code for int4, q for int8, the weight for bf16/f16) before scale/offset.
 inline float raw_at(const Packed& p, int64_t n, int64_t k) {
   if (p.fmt == kFmtBf16) return kvq_simd::bf16_bits_to_float(static_cast<const uint16_t*>(p.w)[n * p.K + k]);
+  if (p.fmt == kFmtF16) return kvq_simd::f16_bits_to_float(static_cast<const uint16_t*>(p.w)[n * p.K + k]);
   if (p.fmt == kFmtInt8) return static_cast<float>(static_cast<const int8_t*>(p.w)[n * p.K + k]);
   const uint8_t* row = static_cast<const uint8_t*>(p.w) + n * p.row_bytes;
   const int64_t span = k / 16, j = k % 16;
@@ -83,7 +88,8 @@ int64_t cpu_level() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
     return kLevelAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kLevelAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kLevelAvx2;
   return kLevelPortable;
 }
 #else
@@ -98,11 +104,11 @@ Packed make_packed(int64_t fmt, const void* w, const float* scales, const float*
   p.fmt = fmt;
   p.N = N;
   p.K = K;
-  p.group = fmt == kFmtBf16 ? K : group;
+  p.group = unscaled(fmt) ? K : group;
   p.num_groups = (K + p.group - 1) / p.group;
   p.row_bytes = fmt == kFmtInt4 ? ((K + 15) / 16) * 8 : 0;
   p.w = w;
-  p.scales = fmt == kFmtBf16 ? nullptr : scales;
+  p.scales = unscaled(fmt) ? nullptr : scales;
   p.offsets = offsets;
   return p;
 }

@@ -5,6 +5,8 @@
 // path, MR: input rows per block of the buffered path), and loads that widen 16 stored weights to
 // float32 before scale/offset:
 //   bf16(p, w): 16 bfloat16 bit patterns -> float32 (a widen and a 16-bit shift)
+//   f16(p, w):  16 IEEE float16 bit patterns -> float32, exactly (F16C's vcvtph2ps; Portable: by the
+//               bit layout, subnormals, infinities and NaN included)
 //   i8(p, w):   16 int8 -> float32
 //   i4(span, w): one 8-byte int4 span (byte j: weight j in the low nibble, weight j + 8 in the high)
 // Avx2 and Avx512 are compiled under `#pragma GCC target` (KVQ_PUSH_*, quant.cpp), so the library
@@ -22,6 +24,27 @@ inline float bf16_bits_to_float(uint16_t v) {
   const uint32_t b = static_cast<uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// float16 bits -> float32, exact, from the bit layout (no F16C needed): sign, 5-bit exponent (bias 15),
+// 10-bit mantissa; subnormals normalised, infinities and NaN kept.
+inline float f16_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  if (exp == 0x1Fu) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {
+    exp = 113u;  // 2^-14 as a float32 exponent (127 - 14), lowered while the mantissa is normalised
+    while ((man & 0x400u) == 0) man <<= 1, --exp;
+    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
   return f;
 }
 
@@ -50,6 +73,10 @@ struct Portable {
   static void bf16(const uint16_t* p, V w[U]) {
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < W; ++i) w[u][i] = bf16_bits_to_float(p[u * W + i]);
+  }
+  static void f16(const uint16_t* p, V w[U]) {
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < W; ++i) w[u][i] = f16_bits_to_float(p[u * W + i]);
   }
   static void i8(const int8_t* p, V w[U]) {
     for (int u = 0; u < U; ++u)
@@ -93,6 +120,9 @@ struct Avx2 {
       w[u] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
   }
+  static void f16(const uint16_t* p, V w[U]) {
+    for (int u = 0; u < U; ++u) w[u] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + u * W)));
+  }
   static void i8(const int8_t* p, V w[U]) {
     for (int u = 0; u < U; ++u)
       w[u] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + u * W))));
@@ -124,6 +154,9 @@ struct Avx512 {
   static void bf16(const uint16_t* p, V w[U]) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void f16(const uint16_t* p, V w[U]) {
+    w[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void i8(const int8_t* p, V w[U]) {
     w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
