@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
-from test_model_equivalence import PagedHarness, _prompts
+from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls
 
 from kvpager.core.config import EngineConfig, resolve_dtype
 from kvpager.engine.engine import Engine
@@ -192,3 +192,41 @@ def test_bf16_linear_kernel_and_torch_fallback_agree(bf16_checkpoints: dict[str,
         assert got.dtype == torch.bfloat16
         assert torch.allclose(got.float(), ref, rtol=BF16_STEP, atol=1e-6)
     weight.max_level = None
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [("llama", torch.bfloat16), ("qwen2_bias_tied", torch.bfloat16), ("qwen3_qk_norm", torch.float16)],
+)
+def test_16bit_fused_decode_step_equals_the_per_op_path_and_is_taken(
+    bf16_checkpoints: dict[str, Path],
+    fp16_checkpoints: dict[str, Path],
+    case: str,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode-only steps over packed 16-bit weights run the whole layer stack in one kernel call, which
+    calls the same kernels (the packed-weight linear included) in the same order as the per-op path:
+    the same logits, bit for bit (the values do not depend on the thread split)."""
+    path = (bf16_checkpoints if dtype == torch.bfloat16 else fp16_checkpoints)[case]
+    model = load_model(path, dtype=dtype, device="cpu")
+    if model.ops.name != "cpu" or not isinstance(model.layers[0].mlp.down_proj.weight, Bf16Weight | F16Weight):
+        pytest.skip("no C++ compiler here: no kernels, no fused layer stack")
+    fused_calls = _spy_fused_calls(model, monkeypatch)
+    spec_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(spec_vocab, [5, 12, 9], seed=3)
+    extra = _prompts(spec_vocab, [3, 3, 3], seed=4)
+    fused, per_op = (PagedHarness(model, block_size=4, kv_dtype=dtype) for _ in range(2))
+    steps = [[(str(i), p) for i, p in enumerate(prompts)]]
+    steps += [[(str(i), [extra[i][t]]) for i in range(3)] for t in range(2)] + [[("0", [extra[0][2]])]]
+    got = [fused.step(batch) for batch in steps]
+    assert fused_calls == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused
+    fused_layers = model.ops.decode_layers
+    monkeypatch.setattr(model.ops, "decode_layers", lambda *args, **kwargs: None)  # every op on its own
+    ref = [per_op.step(batch) for batch in steps]
+    monkeypatch.setattr(model.ops, "decode_layers", fused_layers)
+    assert fused_calls == [False, True, True, True]
+    for step_got, step_ref in zip(got[1:], ref[1:], strict=True):
+        for a, b in zip(step_got, step_ref, strict=True):
+            assert torch.equal(a, b), f"fused vs per-op: {(a - b).abs().max().item():.3e}"
+    assert torch.equal(fused.kv_cache, per_op.kv_cache)  # the same K/V written, bit for bit

@@ -19,6 +19,7 @@ torch otherwise): "auto" takes the kernels for every model on the CPU whose comp
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,8 @@ from kvpager.model.backends.bf16_linear import PackedBf16Linear, native_bf16_mat
 from kvpager.model.backends.fallbacks import FallbackCounter
 from kvpager.model.backends.kernels.abi import KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelBuildError, KernelLibrary, load_cpu_kernels
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
+from kvpager.model.backends.quant_weights import NATIVE_BF16_MIN_ROWS, Bf16Weight, HalfWeight
 from kvpager.model.backends.weight_layout import BLOCK, blocked_stride, convert_linear_weights, unblocked
 from kvpager.model.precision import compute_dtype
 from kvpager.model.rope import apply_rope
@@ -192,8 +195,9 @@ class CpuKernelOps(TorchOps):
         self._decode_layers = kernels.fn("kvp_decode_layers")
         self._prefill_attention = kernels.fn("kvp_prefill_attention")
         # NOTE: the layer table holds raw addresses: keep the modules alive alongside it.
-        # id(layers) -> (layers, their table or None, whether every weight in it is in column blocks)
-        self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None, bool]] = {}
+        # id(layers) -> (layers, their table or None, whether every weight in it is in column blocks,
+        # the packed 16-bit weights in it)
+        self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None, bool, list[HalfWeight]]] = {}
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
         # identifies the step; holding it keeps its id from being reused).
@@ -224,7 +228,8 @@ class CpuKernelOps(TorchOps):
             "decode_attention": "paged kernel",
             "prefill_attention": f"kernel for head_dim 64 or 128 up to {PREFILL_KERNEL_MAX_CONTEXT} positions, "
             "torch SDPA beyond",
-            "decode_layers": f"one kernel call per decode-only step up to {fused} rows",
+            "decode_layers": f"one kernel call per decode-only step up to {fused} rows "
+            f"(float32 or 16-bit weights; {SMALL_BATCH_LINEAR} over 16-bit weights)",
         }
 
     def kernel_stats(self) -> dict[str, Any]:
@@ -268,7 +273,7 @@ class CpuKernelOps(TorchOps):
             reason = "block tables, sequence lengths or slot mapping not int64"
         table = self._layer_table(layers, spec.rms_norm_eps) if reason is None else None
         if reason is None and table is None and _has_packed_weights(layers):
-            return None  # by design: packed (bfloat16, int8, int4) weights run layer by layer
+            return None  # by design: quantized (int8, int4) weights run layer by layer
         if reason is None and table is None:
             reason = "a layer's tensors are not float32 and contiguous on the CPU, or the norms' eps differ"
         if reason is not None or table is None:
@@ -276,6 +281,9 @@ class CpuKernelOps(TorchOps):
             return None
         if rows > self._fused_max_rows(layers):
             return None
+        packed = self._packed_linear(layers)
+        if packed is None:
+            return None  # by design: 16-bit weights capped at different kernel paths run layer by layer
         num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
         if table.shape[0] != num_layers or (num_kv_heads, head_dim, x.shape[1]) != (
             spec.num_kv_heads,
@@ -306,26 +314,49 @@ class CpuKernelOps(TorchOps):
             partition=DECODE_PARTITION,
             scratch=scratch,
             kv_format=KV_FORMATS[kv_cache.dtype],
+            packed_linear=packed[0],
+            packed_level=packed[1],
         )
         return x, residual
 
     def _fused_max_rows(self, layers: Sequence[Any]) -> int:
         """The most rows the fused stack takes over the weights of `layers` (after `_layer_table`):
         FUSED_MAX_ROWS when every weight is in column blocks, except at "medium" precision with the
-        bfloat16 linear (faster above SMALL_BATCH_LINEAR rows); SMALL_BATCH_LINEAR otherwise."""
-        if self._tables[id(layers)][2] and not (self._bf16_linear is not None and _medium_precision()):
+        bfloat16 linear (faster above SMALL_BATCH_LINEAR rows); NATIVE_BF16_MIN_ROWS over bfloat16
+        weights where Bf16Weight.matmul hands more rows to oneDNN's bf16 GEMM (so the fused step
+        computes what the per-op path does); SMALL_BATCH_LINEAR otherwise."""
+        _, _, all_blocked, halves = self._tables[id(layers)]
+        if all_blocked and not (self._bf16_linear is not None and _medium_precision()):
             return FUSED_MAX_ROWS
+        if any(isinstance(w, Bf16Weight) for w in halves) and native_bf16_matmul_available():
+            return NATIVE_BF16_MIN_ROWS
         return SMALL_BATCH_LINEAR
+
+    def _packed_linear(self, layers: Sequence[Any]) -> tuple[int, int] | None:
+        """(kvq_linear's address, the kernel path cap) for the packed 16-bit weights of `layers`
+        ((0, 0) when there are none); None when their caps (PackedWeight.max_level) differ."""
+        halves = self._tables[id(layers)][3]
+        if not halves:
+            return 0, 0
+        kernels = quant_kernels_or_none()
+        assert kernels is not None  # NOTE: the table holds 16-bit weights only when the library loaded
+        levels = {kernels.default_level if w.max_level is None else w.max_level for w in halves}
+        if len(levels) != 1:
+            return None
+        address = ctypes.cast(kernels.linear, ctypes.c_void_p).value
+        assert address is not None
+        return address, levels.pop()
 
     def _layer_table(self, layers: Sequence[Any], eps: float) -> torch.Tensor | None:
         """[L, 16] int64 addresses of each layer's tensors and its weights' layouts (see kvp_decode_layers);
-        None when a tensor is not float32 on the CPU, contiguous or (a weight) in column blocks, or the
-        norms' eps differ (then the layers run one by one)."""
+        None when a tensor is not float32 on the CPU, contiguous or (a weight) in column blocks or a
+        packed 16-bit weight, or the norms' eps differ (then the layers run one by one)."""
         key = id(layers)
         if key not in self._tables:
-            table = _build_layer_table(layers, eps)
+            built = _build_layer_table(layers, eps)
+            table, halves = built if built is not None else (None, [])
             all_blocked = table is not None and bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
-            self._tables[key] = (layers, table, all_blocked)
+            self._tables[key] = (layers, table, all_blocked, halves)
         return self._tables[key][1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -527,38 +558,60 @@ class CpuKernelOps(TorchOps):
         return bool(done)
 
 
-def _build_layer_table(layers: Sequence[Any], eps: float) -> torch.Tensor | None:
+def _build_layer_table(layers: Sequence[Any], eps: float) -> tuple[torch.Tensor, list[HalfWeight]] | None:
+    """The layer table and the packed 16-bit weights it points into; None: the layers run one by one."""
     rows: list[list[int]] = []
+    halves: list[HalfWeight] = []
     all_eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        weights = [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        layouts = [_table_layout(w) for w in weights]
+        if any(code is None for code in layouts):  # quantized weights (or a kind the kernels lack): layer by layer
+            return None
+        halves.extend(w for w in weights if isinstance(w, HalfWeight))
+        # the tensors the kernels read: a packed 16-bit weight's own 16-bit tensor
+        dense = [w.weight if isinstance(w, HalfWeight) else w for w in weights]
         tensors = [
             layer.input_layernorm.weight,
-            attn.qkv_proj.weight,
+            dense[0],
             attn.qkv_proj.bias,
-            attn.o_proj.weight,
+            dense[1],
             attn.o_proj.bias,
             layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight,
+            dense[2],
             mlp.gate_up_proj.bias,
-            mlp.down_proj.weight,
+            dense[3],
             mlp.down_proj.bias,
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None,
         ]
         if attn.q_norm is not None:
             all_eps.add(attn.q_norm.eps)
-        weights = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        if not all(isinstance(w, torch.Tensor) for w in weights):  # packed weights: layer by layer
+        # float32 weights row-major or in column blocks; a packed 16-bit weight contiguous by construction
+        blocked = {id(t) for t, code in zip(dense, layouts, strict=True) if code and code > 0}
+        half = {id(w.weight) for w in weights if isinstance(w, HalfWeight)}
+        if any(
+            t is not None and id(t) not in half and not (_f32(t) and (t.is_contiguous() or id(t) in blocked))
+            for t in tensors
+        ):
             return None
-        # each weight row-major (0: kvp_linear_small) or in column blocks (its block stride: kvp_linear_b)
-        strides = [blocked_stride(w) for w in weights]
-        blocked = {id(w) for w, bs in zip(weights, strides, strict=True) if bs}
-        if any(t is not None and not (_f32(t) and (t.is_contiguous() or id(t) in blocked)) for t in tensors):
-            return None
-        rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + strides)
+        rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + [int(code or 0) for code in layouts])
         assert len(rows[-1]) == LAYER_TABLE_WIDTH and len(tensors) == LAYER_TABLE_ADDRESSES
-    return torch.tensor(rows, dtype=torch.int64) if all_eps == {eps} else None
+    if halves and quant_kernels_or_none() is None:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64), halves) if all_eps == {eps} else None
+
+
+def _table_layout(weight: Any) -> int | None:
+    """A weight's layout code in the layer table: its block stride (column blocks, kvp_linear_b), 0
+    (row-major float32, kvp_linear_small), -(fmt + 1) (a packed 16-bit weight, kvq_linear), None
+    (anything else: the layers run one by one)."""
+    if isinstance(weight, HalfWeight):
+        return -(weight.fmt + 1) if weight.device.type == "cpu" else None
+    if isinstance(weight, torch.Tensor):
+        return blocked_stride(weight)
+    return None
 
 
 def _medium_precision() -> bool:
@@ -584,8 +637,9 @@ def _mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _has_packed_weights(layers: Sequence[Any]) -> bool:
+    """Whether a layer holds a quantized weight (the fused stack reads float32 and 16-bit weights)."""
     return any(
-        not isinstance(w, torch.Tensor)
+        not isinstance(w, torch.Tensor | HalfWeight)
         for layer in layers
         for w in (
             layer.self_attn.qkv_proj.weight,

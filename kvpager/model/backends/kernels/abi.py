@@ -20,6 +20,7 @@ KV = (torch.float32, torch.bfloat16, torch.float16)  # KV cache elements; "kv" b
 # kv_format: how the kernels read the KV cache's elements (kKvFloat32 / kKvBfloat16 / kKvFloat16 in common.h)
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
+LAYER_TABLE_ADDRESSES = 12  # addresses per layer; then the four weights' layouts (< 0: a packed 16-bit weight)
 
 Sym = Mapping[str, int]
 
@@ -270,6 +271,8 @@ SPECS: tuple[KernelSpec, ...] = (
             ("partition", Int()),
             ("scratch", Tensor(F32, ("scratch_size",), writes=True)),
             ("kv_format", Int()),
+            ("packed_linear", Int()),  # kvq_linear's address (a 16-bit weight in the table), else 0
+            ("packed_level", Int()),
         ),
         checks=(
             _GQA,
@@ -284,6 +287,12 @@ SPECS: tuple[KernelSpec, ...] = (
                 ),
             ),
         ),
-        tensor_checks=(_kv_format_check("kv_cache"),),
+        tensor_checks=(
+            _kv_format_check("kv_cache"),
+            (
+                "a packed 16-bit weight in the layer table needs packed_linear (kvq_linear's address)",
+                lambda t, s: s["packed_linear"] != 0 or bool((t["layers"][:, LAYER_TABLE_ADDRESSES:] >= 0).all()),
+            ),
+        ),
     ),
 )

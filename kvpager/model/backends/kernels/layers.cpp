@@ -54,6 +54,12 @@ inline void dot_tile(const float* __restrict x, int64_t K, const float* __restri
 #endif
 }
 
+// kvq_linear (quant.cpp, the packed-weight library): y [M, N] = x [M, K] @ w.T (+ bias) for a packed
+// weight of format fmt, through the best code path up to max_level.
+using PackedLinear = void (*)(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const float* scales,
+                              const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
+                              int64_t num_threads, int64_t max_level);
+
 // 1 / sqrt(mean(x^2) + eps) over `dim` floats.
 inline float inv_rms(const float* __restrict x, int64_t dim, float eps) {
   float ss = 0.f;
@@ -222,8 +228,11 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // the per-op path calls from Python, in the same order, without ~9 Python/ctypes round trips per
 // layer. `layers` holds, per layer, 12 addresses (0 = absent): input norm, qkv weight, qkv bias,
 // o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight, down bias,
-// q norm, k norm; then the block strides of the qkv, o, gate_up and down weights when they are
-// stored in column blocks (kvp_linear_b), 0 when they are torch's row-major [N, K] (kvp_linear_small).
+// q norm, k norm; then, per qkv, o, gate_up and down weight, how it is stored: its block stride when
+// in column blocks (kvp_linear_b), 0 when torch's row-major float32 [N, K] (kvp_linear_small), and
+// -(fmt + 1) for a packed 16-bit weight of the packed-weight library's format fmt (bfloat16 / float16
+// [N, K], quant.cpp): that multiply runs `packed_linear`, the library's kvq_linear, capped at
+// `packed_level`, the very kernel the per-op path calls for the weight, so both compute the same values.
 // On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
@@ -232,7 +241,8 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
                        void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
-                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_format) {
+                       int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_format,
+                       int64_t packed_linear, int64_t packed_level) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   // K -> V of one layer, in bytes
   const int64_t half_stride = num_blocks * block_size * kv_size * kvp::kv_bytes(kv_format);
@@ -242,8 +252,12 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   float* act = gate_up + M * 2 * inter;
   float* h = act + M * inter;
   auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
+  const auto packed = reinterpret_cast<PackedLinear>(packed_linear);
   auto linear = [&](const float* in, int64_t K, int64_t w, int64_t bs, int64_t N, int64_t bias, float* out) {
-    if (bs > 0) {
+    if (bs < 0) {
+      packed(-bs - 1, in, M, K, reinterpret_cast<const void*>(w), nullptr, nullptr, N, K, f(bias), out,
+             omp_get_max_threads(), packed_level);
+    } else if (bs > 0) {
       kvp_linear_b(in, M, K, f(w), bs, N, f(bias), out);
     } else {
       kvp_linear_small(in, M, K, f(w), N, f(bias), out);
