@@ -178,7 +178,7 @@ def test_blocked_linear_above_the_row_limit_runs_in_torch_on_an_unblocked_copy(k
 def test_a_weight_too_big_for_the_scratch_stays_in_the_kernel_at_any_row_count(
     kops: SpyOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvpager.model.backends.ops as ops_module
+    import kvpager.model.backends.cpu_ops as ops_module
 
     monkeypatch.setattr(ops_module, "UNBLOCK_SCRATCH_MAX_BYTES", 96 * 64 * 4 - 1)
     rows = BLOCKED_KERNEL_MAX_ROWS + 1

@@ -149,7 +149,9 @@ class DenseWeight(PackedWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         if weight.dim() != 2 or not weight.dtype.is_floating_point:
-            raise ValueError(f"{type(self).__name__} needs a 2-D float tensor, got {weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(
+                f"{type(self).__name__} needs a 2-D float tensor, got {weight.dtype} {tuple(weight.shape)}"
+            )
         self.weight = weight.contiguous()
         self.out_features, self.in_features = self.weight.shape
         self.group_size = self.in_features
