@@ -180,7 +180,7 @@ class HalfWeight(DenseWeight):
         super().__init__(weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return PackedWeight.matmul(self, x, bias)
+        return PackedWeight.matmul(self, x, bias)  # the kernels (DenseWeight's torch matmul is the fallback)
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
         return self.weight.data_ptr(), None, None
