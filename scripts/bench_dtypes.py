@@ -66,7 +66,11 @@ def _decode_rate(llm: LLM, batch: int, args: argparse.Namespace, seed: int) -> f
         start = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - start)
-    return batch * args.output_len / max(times[1] - times[0], 1e-9)
+    decode_s = times[1] - times[0]
+    if decode_s <= 0:
+        # Timing noise larger than the decode phase itself: no rate can be read from this phase.
+        raise SystemExit(f"decode phase of {args.output_len} tokens took no measurable time; raise --output-len")
+    return batch * args.output_len / decode_s
 
 
 def main() -> None:
