@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kvpager.core.config import resolve_dtype
+from kvpager.core.config import QUANTIZATIONS, resolve_dtype
 from kvpager.core.units import format_bytes, parse_bytes, parse_reserve
 from kvpager.gguf import is_gguf_path
 from kvpager.planner.devices import Device, custom_device, custom_reserve, find_device, measure_cpu
@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvpager's compute dtype: exact engine weight bytes (auto: the checkpoint's torch_dtype, as serve)",
     )
     p.add_argument(
-        "--quantization", choices=["int8", "int4"], help="kvpager's weight-only quantization: exact engine weight bytes"
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="kvpager's weight quantization (as `kvpager serve`): exact engine weight bytes",
     )
     p.add_argument("--quantization-group-size", type=int, help="as `kvpager serve` (int4 default 128)")
     p.add_argument(

@@ -23,9 +23,15 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 COMPUTE_DTYPES = DTYPES
-# Weight-only quantization (vLLM's --quantization): int8 symmetric per output channel (or per group),
-# int4 asymmetric per group; see kvpager.model.backends.quant_weights.
-QUANTIZATIONS = ("int8", "int4")
+# Weight quantization (vLLM's --quantization): int8 symmetric per output channel (or per group), int4
+# asymmetric per group, both exact (kvpager.model.backends.quant_weights); w8a8_int8 / w4a8_int8 (SGLang's
+# name) store the same weights and quantize the activations to int8 per block of 32 at each matmul for
+# integer dot products: faster, not exact (kvpager.model.backends.quant_dot).
+QUANTIZATIONS = ("int8", "int4", "w8a8_int8", "w4a8_int8")
+# the packed weight format each quantization stores (what the planner counts)
+QUANTIZATION_WEIGHTS = {"int8": "int8", "int4": "int4", "w8a8_int8": "int8", "w4a8_int8": "int4"}
+DYNAMIC_ACTIVATION_QUANTIZATIONS = ("w8a8_int8", "w4a8_int8")
+ACTIVATION_BLOCK = 32  # activations per int8 scale in the dynamic quantizations
 INT4_GROUP_MULTIPLE = 16
 DEFAULT_INT4_GROUP_SIZE = 128
 KERNEL_BACKENDS = ("auto", "torch", "cpu")
@@ -55,7 +61,7 @@ class EngineConfig:
     tokenizer: str | None = None  # None: same directory as the model
     load_format: str = "auto"
     dtype: str = "auto"  # compute dtype; "auto": the checkpoint's torch_dtype (resolve_dtype)
-    quantization: str | None = None  # weight-only: None | "int8" | "int4" (quantized at load, round-to-nearest)
+    quantization: str | None = None  # None | QUANTIZATIONS (weights quantized at load, round-to-nearest)
     quantization_group_size: int | None = None  # None: int8 per output channel, int4 groups of 128
     kv_cache_dtype: str = "auto"  # "auto": same as dtype
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
@@ -108,6 +114,11 @@ class EngineConfig:
         _check(
             group is None or self.quantization != "int4" or group % INT4_GROUP_MULTIPLE == 0,
             f"int4 quantization_group_size must be a multiple of {INT4_GROUP_MULTIPLE} (e.g. 32, 64, 128), got {group}",
+        )
+        _check(
+            group is None or self.quantization not in DYNAMIC_ACTIVATION_QUANTIZATIONS or group % ACTIVATION_BLOCK == 0,
+            f"{self.quantization} quantization_group_size must be a multiple of {ACTIVATION_BLOCK} (its activation "
+            f"block; e.g. 32, 64, 128), got {group}",
         )
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -213,7 +224,7 @@ class EngineConfig:
     @property
     def resolved_quantization_group_size(self) -> int | None:
         """The group size the quantized weights use (None: int8 per output channel)."""
-        if self.quantization == "int4":
+        if self.quantization is not None and QUANTIZATION_WEIGHTS[self.quantization] == "int4":
             return self.quantization_group_size or DEFAULT_INT4_GROUP_SIZE
         return self.quantization_group_size
 

@@ -153,14 +153,17 @@ def add_weight_format_args(g: argparse._ActionsContainer) -> None:
         "-q",
         default=None,
         choices=QUANTIZATIONS,
-        help="weight-only quantization at load (round-to-nearest): int8 per output channel, int4 in groups "
-        "(asymmetric); embedding, lm_head and norms stay in --dtype",
+        help="weight quantization at load (round-to-nearest): int8 per output channel, int4 in groups "
+        "(asymmetric), both exact; w8a8_int8 / w4a8_int8: the same weights, activations quantized to int8 per "
+        "block of 32 at each matmul (integer dot products: faster, not exact; groups a multiple of 32); "
+        "embedding, lm_head and norms stay in --dtype",
     )
     g.add_argument(
         "--quantization-group-size",
         type=int,
         default=None,
-        help="input features per scale: int4 default 128 (a multiple of 16); int8 default: per output channel",
+        help="input features per scale: int4 default 128 (a multiple of 16; of 32 for w4a8_int8); int8 default: "
+        "per output channel",
     )
 
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
+from kvpager.core.config import DTYPE_BYTES, DYNAMIC_ACTIVATION_QUANTIZATIONS, EngineConfig, resolve_dtype
 from kvpager.core.hashing import FingerprintComponent, model_fingerprint
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
+from kvpager.model.backends.quant_dot import DOT_KERNEL_MAX_ROWS
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
@@ -175,6 +176,8 @@ def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.devic
     elif config.quantization is not None or config.dtype in ("bfloat16", "float16"):
         kernels = quant_kernels_or_none()
         path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
+        if kernels is not None and config.quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
+            path = f"{kernels.describe_dot()} up to {DOT_KERNEL_MAX_ROWS} rows, then the {path}"
         path += f" up to its batch limit; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
         path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
     else:

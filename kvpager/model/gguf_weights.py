@@ -90,9 +90,7 @@ class GGUFWeights:
         self.not_native_reason = not_native_reason
         self.requantize = None
         if quantization is not None:
-            self.requantize = (
-                f"{quantization} g{quantization_group_size or ('128' if quantization == 'int4' else 'channel')}"
-            )
+            self.requantize = f"{quantization} g{quantization_group_size or ('channel' if quantization in ('int8', 'w8a8_int8') else '128')}"
         self._tensors: dict[str, GGUFTensor] = {}
         for gguf_name, tensor in model.tensors.items():
             if gguf_name in _CONSUMED:

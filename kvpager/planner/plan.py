@@ -42,7 +42,7 @@ class PlanOptions:
     reserve: Reserve | None = None  # None: the device's default reserve
     # kvpager's own storage (`kvpager serve --dtype/--quantization`): exact engine bytes when either is set
     dtype: str | None = None  # float32 | bfloat16 | float16 (None with quantization: bfloat16)
-    quantization: str | None = None  # int8 | int4
+    quantization: str | None = None  # core.config.QUANTIZATIONS (int8 | int4 | w8a8_int8 | w4a8_int8)
     quantization_group_size: int | None = None
     tensor_parallel_size: int = 1  # engine_*: one rank's pool (its KV heads), as `serve --tensor-parallel-size`
 

@@ -11,6 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpager.core.config import ACTIVATION_BLOCK, DYNAMIC_ACTIVATION_QUANTIZATIONS, QUANTIZATION_WEIGHTS
 from kvpager.gguf import is_gguf_path, open_gguf
 from kvpager.planner.models import ModelFacts
 from kvpager.planner.params import ParamCounts
@@ -185,14 +186,18 @@ def engine_linear_shapes(facts: ModelFacts) -> list[tuple[int, int]]:
 
 
 def quantized_matrix_bytes(out_features: int, in_features: int, method: str, group: int | None) -> int:
-    """Bytes kvpager's Int8Weight / Int4Weight hold for one [out, in] matrix."""
+    """Bytes kvpager's Int8Weight / Int4Weight hold for one [out, in] matrix (w8a8_int8 / w4a8_int8
+    store the same weights)."""
+    if method in DYNAMIC_ACTIVATION_QUANTIZATIONS and group is not None and group % ACTIVATION_BLOCK != 0:
+        raise ValueError(f"{method} group size must be a multiple of {ACTIVATION_BLOCK}, got {group}")
+    method = QUANTIZATION_WEIGHTS.get(method, method)
     if method == "int8":
         groups = -(-in_features // (group or in_features))
         return out_features * (in_features + groups * SCALE_BYTES)
     if method == "int4":
         groups = -(-in_features // (group or 128))
         return out_features * (-(-in_features // INT4_SPAN) * (INT4_SPAN // 2) + 2 * groups * SCALE_BYTES)
-    raise ValueError(f"unknown quantization {method!r}: choose int8 or int4")
+    raise ValueError(f"unknown quantization {method!r}: choose one of {', '.join(QUANTIZATION_WEIGHTS)}")
 
 
 def engine_weight_bytes(
@@ -217,11 +222,13 @@ def engine_format(dtype: str, quantization: str | None, group: int | None) -> We
     """A WeightFormat describing the engine's storage (bits_per_weight filled in by the caller)."""
     if quantization is None:
         return WeightFormat(dtype, 8.0 * ENGINE_DTYPE_BYTES[dtype], True, f"kvpager --dtype {dtype}: every tensor")
-    if quantization == "int8":
+    if QUANTIZATION_WEIGHTS.get(quantization) == "int8":
         rule = "per output channel" if group is None else f"groups of {group}"
-        text = f"kvpager int8: symmetric, one float32 scale {rule}"
+        text = f"kvpager {quantization}: symmetric int8, one float32 scale {rule}"
     else:
-        text = f"kvpager int4: asymmetric, float32 scale + offset per group of {group or 128}"
+        text = f"kvpager {quantization}: asymmetric int4, float32 scale + offset per group of {group or 128}"
+    if quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
+        text += f" (activations quantized to int8 per block of {ACTIVATION_BLOCK} at run time)"
     return WeightFormat(
         f"{quantization}-kvpager",
         0.0,

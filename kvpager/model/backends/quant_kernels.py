@@ -1,4 +1,4 @@
-"""Build and load the packed-weight linear kernels (kernels/quant.cpp) with the system compiler.
+"""Build and load the packed-weight linear kernels (kernels/quant.cpp, quant_dot.cpp) with the system compiler.
 
 A library of its own beside kernels/build.py's: it is compiled without -march=native (the AVX-512 and
 AVX2 + FMA code carry target pragmas and are chosen at run time from the CPU's feature bits), so the
@@ -30,8 +30,15 @@ from kvpager.model.backends.kernels.build import ISA_ENV, KernelBuildError, _com
 logger = logging.getLogger("kvpager")
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCE = KERNEL_DIR / "quant.cpp"
-INCLUDES = (KERNEL_DIR / "quant_simd.h", KERNEL_DIR / "quant_body.inc")
+# quant.cpp: the exact kernels (dequantize in registers); quant_dot.cpp: integer dot products with
+# activations quantized per block of 32 (w8a8_int8 / w4a8_int8)
+SOURCES = (KERNEL_DIR / "quant.cpp", KERNEL_DIR / "quant_dot.cpp")
+INCLUDES = (
+    KERNEL_DIR / "quant_simd.h",
+    KERNEL_DIR / "quant_body.inc",
+    KERNEL_DIR / "quant_dot_simd.h",
+    KERNEL_DIR / "quant_dot_body.inc",
+)
 FLAGS = (
     "-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi",
     "-shared", "-fPIC", "-std=c++17",
@@ -53,6 +60,8 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_level": ([_I], ctypes.c_int64),
     "kvq_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], None),
     "kvq_dequant": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I], None),
+    "kvq_dot_level": ([_I], ctypes.c_int64),
+    "kvq_dot_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int64),
 }
 
 
@@ -65,6 +74,8 @@ class QuantKernels:
     dequant: Any
     level: Any
     best_level: int  # the best path this CPU has (kvq_level uncapped), read once at load
+    dot_linear: Any  # kvq_dot_linear: integer dot products (w8a8_int8 / w4a8_int8)
+    dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX2 at most)
 
     @property
     def default_level(self) -> int:
@@ -77,11 +88,25 @@ class QuantKernels:
         why = "the best this CPU has" if chosen == best else f"{ISA_ENV}=portable; this CPU has {LEVEL_NAMES[best]}"
         return f"{LEVEL_NAMES[chosen]} kernel ({why}; dequantize in registers, float32 accumulation)"
 
+    def describe_dot(self) -> str:
+        """One line for the start-up log: the integer-dot path (w8a8_int8 / w4a8_int8) and why."""
+        chosen = int(self.dot_level(self.default_level))
+        if chosen == LEVEL_AVX2:
+            how = "_mm256_maddubs_epi16 + _mm256_madd_epi16"
+            why = "no AVX-512/VNNI build: AVX2 is the best it has" if self.best_level > LEVEL_AVX2 else "the best"
+        else:
+            how = "scalar int32"
+            why = f"{ISA_ENV}=portable" if self.best_level > LEVEL_PORTABLE else "this CPU has no AVX2"
+        return (
+            f"{LEVEL_NAMES[chosen]} integer-dot kernel ({how}; {why}): activations quantized to int8 per "
+            "block of 32 per call, float32 accumulation across blocks (not exact)"
+        )
+
 
 def _build() -> Path:
     compiler = _compiler()
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for include in INCLUDES:
+    h = hashlib.sha256()
+    for include in (*SOURCES, *INCLUDES):
         h.update(include.read_bytes())
     h.update(" ".join(FLAGS).encode() + b"\0" + compiler.encode())
     out_dir = cache_dir() / f"quant-{h.hexdigest()[:16]}"
@@ -91,7 +116,7 @@ def _build() -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # NOTE: renamed when complete (concurrent builds)
     os.close(fd)
-    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+    cmd = [compiler, *FLAGS, *(str(s) for s in SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -119,7 +144,15 @@ def load_quant_kernels() -> QuantKernels:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = restype
-    kernels = QuantKernels(path, lib.kvq_linear, lib.kvq_dequant, lib.kvq_level, int(lib.kvq_level(LEVEL_AVX512)))
+    kernels = QuantKernels(
+        path,
+        lib.kvq_linear,
+        lib.kvq_dequant,
+        lib.kvq_level,
+        int(lib.kvq_level(LEVEL_AVX512)),
+        lib.kvq_dot_linear,
+        lib.kvq_dot_level,
+    )
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels
 

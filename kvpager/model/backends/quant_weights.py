@@ -330,12 +330,12 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     first = parts[0]
     if len(parts) == 1:
         return first
-    if isinstance(first, Int8Weight):
+    if isinstance(first, Int8Weight):  # NOTE: type(first): a subclass (quant_dot.py's) stays itself
         i8 = [p for p in parts if isinstance(p, Int8Weight)]
-        return Int8Weight(torch.cat([p.qweight for p in i8]), torch.cat([p.scales for p in i8]), first.group_size)
+        return type(first)(torch.cat([p.qweight for p in i8]), torch.cat([p.scales for p in i8]), first.group_size)
     if isinstance(first, Int4Weight):
         i4 = [p for p in parts if isinstance(p, Int4Weight)]
-        return Int4Weight(
+        return type(first)(
             torch.cat([p.packed for p in i4]),
             torch.cat([p.scales for p in i4]),
             torch.cat([p.offsets for p in i4]),
@@ -346,7 +346,11 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
 
 
 def quantize(weight: torch.Tensor, method: str, group_size: int | None) -> PackedWeight:
-    """`weight` [N, K] (any float dtype) in `method` ("int8" | "int4") by round-to-nearest."""
+    """`weight` [N, K] (any float dtype) in `method` (core.config.QUANTIZATIONS) by round-to-nearest."""
+    if method in ("w8a8_int8", "w4a8_int8"):  # the same weights, an integer-dot matmul (quant_dot.py)
+        from kvpager.model.backends.quant_dot import quantize_dynamic
+
+        return quantize_dynamic(weight, method, group_size)
     if method == "int8":
         return Int8Weight.from_float(weight, group_size)
     if method == "int4":

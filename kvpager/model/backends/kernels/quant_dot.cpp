@@ -1,0 +1,147 @@
+// kvpager CPU linear kernels with integer dot products: int8 / int4 packed weights (quant.cpp's
+// layouts) times activations quantized to int8 per row and block of 32 inside the call (w8a8_int8,
+// w4a8_int8; not exact: the activations are rounded).
+//
+// Per call: every input row of x is quantized per block of 32 (symmetric, d = max|x| / 127,
+// q = round-half-even(x / d)); each weight block times each activation block is an exact integer
+// dot (on AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16), scaled by d and accumulated in float32,
+// then scaled once per group by the weight's scale. int4's asymmetric groups (w = code * s + o) add
+// o * (the group's sum of the quantized activations, sum_b d_b * sum q), so y = dequant(w) . x_hat
+// where x_hat = d * q is the quantized activation: the result equals a float32 matmul of the
+// dequantized weight with x_hat, up to float32 rounding of the accumulation.
+// Groups must be multiples of 32 (a block never straddles two), or the whole row (int8 per channel).
+//
+// Two builds of quant_dot_body.inc, chosen per call: AVX2 (+ FMA present, not used: the scaling is a
+// multiply then an add, as the portable path does, so both give the same bits) and portable C++.
+// A CPU with AVX-512 runs the AVX2 build (there is no AVX-512 / VNNI build).
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define KVQ_X86 1
+#define KVQ_PUSH_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define KVQ_POP _Pragma("GCC pop_options")
+#endif
+
+#include "quant_dot_simd.h"
+
+namespace {
+
+constexpr int64_t kFmtInt8 = 1;  // the values of quant.cpp's formats
+constexpr int64_t kFmtInt4 = 2;
+constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1;
+
+struct DotPacked {
+  int64_t fmt, N, K, group, num_groups, row_bytes;
+  int64_t blocks;        // activation blocks per row: ceil(K / 32)
+  int64_t full_blocks;   // blocks whose weight bytes lie wholly inside the stored row
+  int64_t group_blocks;  // blocks per group
+  const void* w;
+  const float* scales;
+  const float* offsets;
+};
+
+struct Act {
+  const int8_t* q;  // [M, blocks * 32] (int4: each block in kInt4Order)
+  const float* d;   // [M, blocks]
+  const float* xs;  // int4: [M, num_groups] the groups' sums of the quantized activations
+};
+
+// sum_g o[g] * xs[g], one group after another (the same order in every build).
+inline float offset_term(const float* o, const float* xs, int64_t groups) {
+  float t = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) t = t + o[g] * xs[g];
+  return t;
+}
+
+namespace portable {
+using S = kvqd_simd::Portable;
+#include "quant_dot_body.inc"
+}  // namespace portable
+
+#if defined(KVQ_X86)
+KVQ_PUSH_AVX2
+namespace avx2 {
+using S = kvqd_simd::Avx2;
+#include "quant_dot_body.inc"
+}  // namespace avx2
+KVQ_POP
+
+int64_t cpu_level() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kLevelAvx2 : kLevelPortable;
+}
+#else
+int64_t cpu_level() { return kLevelPortable; }
+#endif
+
+int64_t dot_level_for(int64_t max_level) { return std::min(std::max<int64_t>(max_level, 0), cpu_level()); }
+
+}  // namespace
+
+extern "C" {
+
+// The path kvq_dot_linear takes for a cap of max_level (quant.cpp's numbering): 1 AVX2, 0 portable.
+int64_t kvq_dot_level(int64_t max_level) { return dot_level_for(max_level); }
+
+// y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
+// Returns 0, or -1 when the group size is neither a multiple of 32 nor K (nothing is written then).
+int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const float* scales,
+                       const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
+                       int64_t num_threads, int64_t max_level) {
+  constexpr int64_t B = kvqd_simd::kBlock;
+  if (group < 1 || (group % B != 0 && group != K) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
+  if (M <= 0 || N <= 0) return 0;
+  DotPacked p{};
+  p.fmt = fmt;
+  p.N = N;
+  p.K = K;
+  p.group = group;
+  p.num_groups = (K + group - 1) / group;
+  p.row_bytes = fmt == kFmtInt4 ? (K + 15) / 16 * 8 : K;
+  p.blocks = (K + B - 1) / B;
+  p.full_blocks = fmt == kFmtInt4 ? p.row_bytes / 16 : K / B;
+  p.group_blocks = group % B == 0 ? group / B : p.blocks;
+  p.w = w;
+  p.scales = scales;
+  p.offsets = offsets;
+  const bool int4 = fmt == kFmtInt4;
+  const int64_t level = dot_level_for(max_level);
+  const int threads = static_cast<int>(N * K * M >= (1 << 15) ? std::max<int64_t>(1, num_threads) : 1);
+  std::vector<int8_t> q(static_cast<size_t>(M * p.blocks * B));
+  std::vector<float> d(static_cast<size_t>(M * p.blocks)), xs;
+#if defined(KVQ_X86)
+  if (level == kLevelAvx2)
+    avx2::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
+  else
+#endif
+    portable::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
+  if (int4) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
+    xs.assign(static_cast<size_t>(M * p.num_groups), 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        int32_t s = 0;
+        for (int64_t i = 0; i < B; ++i) s += q[(m * p.blocks + b) * B + i];
+        float& acc = xs[m * p.num_groups + b / p.group_blocks];
+        acc = acc + d[m * p.blocks + b] * static_cast<float>(s);
+      }
+  }
+  const Act a{q.data(), d.data(), xs.data()};
+#if defined(KVQ_X86)
+  if (level == kLevelAvx2) {
+    avx2::linear(p, a, M, bias, y, threads);
+    return 0;
+  }
+#endif
+  (void)level;
+  portable::linear(p, a, M, bias, y, threads);
+  return 0;
+}
+
+}  // extern "C"

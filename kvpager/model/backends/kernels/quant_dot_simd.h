@@ -1,0 +1,147 @@
+// Primitives of the integer-dot kernels (quant_dot.cpp): one struct per instruction set.
+//
+// A block is 32 activations quantized to int8 with one float32 scale d (symmetric, d = max|x| / 127,
+// q = round-half-even(x / d)). dot_i8 / dot_i4 return the integer products of one weight block and
+// one activation block as 8 float32 lanes: lane l = the exact int32 sum of the products at stored
+// positions 4l..4l+3 (what _mm256_maddubs_epi16 + _mm256_madd_epi16 leave), converted to float.
+// Both structs build the lanes, scale them (a multiply then an add, no fused multiply-add) and sum
+// them in the same order, so the portable and AVX2 paths agree bit for bit.
+//
+// int4 blocks are the 16 bytes of two 8-byte spans (quant.cpp's layout): low nibbles = weights
+// 0..7 and 16..23, high nibbles = 8..15 and 24..31. The activation block is stored in that order
+// ([0..7, 16..23, 8..15, 24..31], kInt4Order), so the nibbles need no shuffle.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvqd_simd {
+
+constexpr int kBlock = 32;
+
+// The natural index of the activation at stored position p of an int4-ordered block.
+inline int int4_natural(int p) {
+  static constexpr int kBase[4] = {0, 16, 8, 24};
+  return kBase[p / 8] + p % 8;
+}
+
+struct Portable {
+  struct V {
+    float v[8];
+  };
+  using X = const int8_t*;  // an activation block
+  static V zero() { return V{}; }
+  static X load_x(const int8_t* q) { return q; }
+  static V madd(V acc, V a, float s) {  // acc + a * s, lane by lane
+    for (int l = 0; l < 8; ++l) acc.v[l] = acc.v[l] + a.v[l] * s;
+    return acc;
+  }
+  static float hsum(V v) {  // the AVX2 order: halves, then pairs
+    float s[4];
+    for (int i = 0; i < 4; ++i) s[i] = v.v[i] + v.v[i + 4];
+    const float a = s[0] + s[2], b = s[1] + s[3];
+    return a + b;
+  }
+  static V dot_i8(const int8_t* w, X x) {
+    V r;
+    for (int l = 0; l < 8; ++l) {
+      int32_t t = 0;
+      for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(w[4 * l + e]) * x[4 * l + e];
+      r.v[l] = static_cast<float>(t);
+    }
+    return r;
+  }
+  static V dot_i4(const uint8_t* w, X x) {
+    V r;
+    for (int l = 0; l < 8; ++l) {
+      int32_t t = 0;
+      for (int e = 0; e < 4; ++e) {
+        const int p = 4 * l + e;
+        const int32_t code = p < 16 ? (w[p] & 0xF) : (w[p - 16] >> 4);
+        t += code * x[p];
+      }
+      r.v[l] = static_cast<float>(t);
+    }
+    return r;
+  }
+  // Quantizes x[0..n) (n <= 32; the rest of the block is zero) into q (32 bytes); returns d.
+  static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.0f;
+    int8_t nat[kBlock] = {};
+    if (d > 0.0f)
+      for (int i = 0; i < n; ++i) {
+        const float r = std::nearbyint(x[i] / d);
+        nat[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+      }
+    for (int p = 0; p < kBlock; ++p) q[p] = nat[int4_order ? int4_natural(p) : p];
+    return d;
+  }
+};
+
+#if defined(KVQ_X86)
+KVQ_PUSH_AVX2
+struct Avx2 {
+  using V = __m256;
+  using X = __m256i;
+  static V zero() { return _mm256_setzero_ps(); }
+  static X load_x(const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
+  static V madd(V acc, V a, float s) { return _mm256_add_ps(acc, _mm256_mul_ps(a, _mm256_set1_ps(s))); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  static V pairs(__m256i p16) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))); }
+  static V dot_i8(const int8_t* w, X x) {
+    // |w| * (x with w's sign) = w * x; |w|, |x| <= 127, so a pair sum fits int16 without saturating
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x, wv)));
+  }
+  static V dot_i4(const uint8_t* w, X x) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    return pairs(_mm256_maddubs_epi16(codes, x));  // codes 0..15 unsigned: no sign trick needed
+  }
+  static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
+    alignas(32) float buf[kBlock];
+    const float* src = x;
+    if (n < kBlock) {
+      std::memset(buf, 0, sizeof buf);
+      std::memcpy(buf, x, sizeof(float) * n);
+      src = buf;
+    }
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm256_loadu_ps(src + 8 * u);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v[u], absmask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    if (!(d > 0.0f)) {
+      std::memset(q, 0, kBlock);
+      return d;
+    }
+    const __m256 vd = _mm256_set1_ps(d);
+    __m256i i[4];
+    for (int u = 0; u < 4; ++u) i[u] = _mm256_cvtps_epi32(_mm256_div_ps(v[u], vd));  // round half to even
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    b = _mm256_max_epi8(b, _mm256_set1_epi8(-127));
+    // the packs leave dwords in the order 0 2 4 6 1 3 5 7 (of 4 activations each)
+    const __m256i order = int4_order ? _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7) : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, order));
+    return d;
+  }
+};
+KVQ_POP
+#endif
+
+}  // namespace kvqd_simd

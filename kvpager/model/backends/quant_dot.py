@@ -1,0 +1,127 @@
+"""w8a8_int8 / w4a8_int8: int8 / int4 packed weights times activations quantized to int8 per call (not exact).
+
+The weights are exactly those of `int8` / `int4` (quant_weights.py: the same layout, group options and
+round-to-nearest quantization at load); what changes is the matmul. Each call quantizes every input
+row per block of ACTIVATION_BLOCK = 32 features (symmetric: d = max|x| / 127, q = round-half-even(x / d),
+clamped to +-127; an all-zero block gets d = 0). Up to DOT_KERNEL_MAX_ROWS rows the kernel
+(kernels/quant_dot.cpp) then takes exact integer dot products of weight and activation blocks, scales
+each by d and each group by the weight's scale, and accumulates in float32. int4's groups are
+asymmetric (w = code * scale + offset, codes 0..15 unsigned: no sign handling needed); the offset term
+is offset * (the group's sum of the quantized activations). So a layer computes
+`F.linear(fake_quantize_activations(x), dequantize(w))` up to float32 rounding of the accumulation:
+that is the torch reference (`reference_matmul`), and what larger batches, CUDA and a machine without
+a compiler run (the quantized activations through the exact packed-weight path of quant_weights.py).
+Group sizes must be multiples of 32 (a block never straddles two groups); int8 may also be per output
+channel (one group of any width).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvpager.model.backends.quant_kernels import load_quant_kernels, quant_kernels_or_none
+from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight
+
+ACTIVATION_BLOCK = 32
+# Up to this many input rows the integer-dot kernel runs. Beyond, the quantized activations go through the
+# exact kernel's shared L1 tile (dequantized once per call, float32 FMAs reused by every row): on AVX2
+# without VNNI an integer dot costs about as many multiply-port cycles per product as a float32 FMA, so
+# the integer kernel gains where dequantizing dominates (a few rows) and not for larger batches.
+DOT_KERNEL_MAX_ROWS = 4
+DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, B, 32], d float32 [M, B]), B = ceil(K / 32), the last block zero-padded."""
+    rows, k = x.shape
+    blocks = F.pad(x.float(), (0, -k % ACTIVATION_BLOCK)).view(rows, -1, ACTIVATION_BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = (blocks / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q, d
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 as the kernels see it: d * q per block of 32 (float32)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, d = quantize_activations(x2)
+    return (q.float() * d[..., None]).flatten(1)[:, : x.shape[-1]].view(x.shape)
+
+
+def reference_matmul(weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference of a dynamic weight's matmul: the quantized activations times the dequantized
+    weight, in float64 (the kernels differ from it by their float32 accumulation only)."""
+    xq = fake_quantize_activations(x.float()).double()
+    out = xq @ weight.dequantize(torch.float64).T
+    return out + bias.double() if bias is not None else out
+
+
+def check_dynamic_group(method: str, group: int, in_features: int) -> None:
+    """Refuse a group size the integer-dot kernels cannot run (not a multiple of the activation block)."""
+    per_channel = method == "w8a8_int8" and group == in_features
+    if group % ACTIVATION_BLOCK != 0 and not per_channel:
+        raise ValueError(
+            f"{method}: the quantization group size must be a multiple of {ACTIVATION_BLOCK} (the activation "
+            f"block), got {group}"
+        )
+
+
+class _DynamicActivations(PackedWeight):
+    """The matmul of the dynamic formats (mixed into Int8Weight / Int4Weight)."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
+        x2 = x.reshape(-1, self.in_features)
+        if kernels is None or x2.shape[0] > DOT_KERNEL_MAX_ROWS:
+            # the same quantized activations through the exact packed-weight path (its L1 tile / GEMM)
+            return super().matmul(fake_quantize_activations(x.float()).to(x.dtype), bias)
+        return self.dot_kernel(x2, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dot_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x2 [M, in] through the integer-dot kernel at any M (its path: `max_level`) -> float32 [M, out]."""
+        kernels = load_quant_kernels()
+        xf = x2.float().contiguous()
+        rows = xf.shape[0]
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        b = bias.float().contiguous() if bias is not None else None  # NOTE: held while the kernel reads it
+        w, scales, offsets = self._pointers()
+        rc = kernels.dot_linear(
+            self.fmt, xf.data_ptr(), rows, self.in_features, w, scales, offsets, self.out_features,
+            self.group_size, b.data_ptr() if b is not None else None, out.data_ptr(), torch.get_num_threads(),
+            self._level(kernels),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"{self.method}: the integer-dot kernel refused group size {self.group_size}")
+        return out
+
+
+class Int8DotWeight(_DynamicActivations, Int8Weight):
+    """int8 weights (symmetric, as Int8Weight) times int8 activations quantized per block of 32."""
+
+    method = "w8a8_int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+        check_dynamic_group(self.method, group_size, qweight.shape[1])
+        super().__init__(qweight, scales, group_size)
+
+
+class Int4DotWeight(_DynamicActivations, Int4Weight):
+    """int4 weights (asymmetric, as Int4Weight) times int8 activations quantized per block of 32."""
+
+    method = "w4a8_int8"
+
+    def __init__(
+        self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, in_features: int
+    ) -> None:
+        check_dynamic_group(self.method, group_size, in_features)
+        super().__init__(packed, scales, offsets, group_size, in_features)
+
+
+def quantize_dynamic(weight: torch.Tensor, method: str, group_size: int | None) -> PackedWeight:
+    """`weight` [N, K] for `method` ("w8a8_int8" | "w4a8_int8"): the int8 / int4 round-to-nearest weights."""
+    if method == "w8a8_int8":
+        return Int8DotWeight.from_float(weight, group_size)
+    if method == "w4a8_int8":
+        return Int4DotWeight.from_float(weight, group_size or 128)
+    raise ValueError(f"unknown dynamic quantization {method!r}")
