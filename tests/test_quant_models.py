@@ -2,7 +2,7 @@
 
 - A quantized model generates exactly the greedy tokens of a float32 model whose checkpoint holds
   the dequantized weights (so quantization changes the weights, nothing else).
-- Every format (bf16, fp16, int8, int4) gives the same tokens through prefix caching, preemption and the
+- Every format (bf16, fp16, int8, int4, w8a8_int8, w4a8_int8) gives the same tokens through prefix caching, preemption and the
   host KV tier as the same format run cold; its KV fingerprint names the format and weights.
 """
 
@@ -32,6 +32,8 @@ FORMATS: dict[str, dict[str, object]] = {
     "fp16": {"dtype": "float16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4", "quantization_group_size": 32},
+    "w8a8_int8": {"quantization": "w8a8_int8"},  # not exact (activations rounded): cold tokens of its own
+    "w4a8_int8": {"quantization": "w4a8_int8", "quantization_group_size": 32},
 }
 RNG = random.Random(11)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks

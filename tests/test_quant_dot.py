@@ -1,0 +1,179 @@
+"""w8a8_int8 / w4a8_int8 linears: integer dot products over activations quantized per block of 32.
+
+The reference quantizes the activations the same way in torch (`quantize_activations`: d = max|x| / 127,
+round half to even; the kernel's division is IEEE, so its int8 values are the same) and multiplies the
+result with the dequantized weight in float64. The integer block dots are exact; the kernel only sums
+float32 partial results in another order, so it is held to the classic float32 dot-product bound,
+2 K 2^-24 sum_k |x_hat_k| m_k (m_k = |w_k| for int8; |code_k * scale| + |offset| for int4, whose two
+terms the kernel sums separately). The portable and AVX2 paths build, scale and sum the same lanes in
+the same order: they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpager.core.config import EngineConfig
+from kvpager.model.backends import quant_dot
+from kvpager.model.backends.kernels.build import KernelBuildError
+from kvpager.model.backends.quant_dot import (
+    DOT_KERNEL_MAX_ROWS,
+    Int4DotWeight,
+    Int8DotWeight,
+    fake_quantize_activations,
+    quantize_activations,
+    reference_matmul,
+)
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_PORTABLE, load_quant_kernels
+from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows, quantize
+from kvpager.planner.weights import quantized_matrix_bytes
+
+BATCHES = [1, 3, 16, 64]
+# N not a multiple of the 4-row tile; K a multiple of 32 but not of the group (96, 160 with g64/g128);
+# K not a multiple of 32 at all (200: int8 per channel, and int4 whose last group is 8 wide)
+SHAPES = [(37, 96), (64, 256), (130, 160), (9, 200)]
+FORMATS = {
+    "w8a8_channel": lambda w: Int8DotWeight.from_float(w),
+    "w8a8_g32": lambda w: Int8DotWeight.from_float(w, 32),
+    "w8a8_g64": lambda w: Int8DotWeight.from_float(w, 64),
+    "w4a8_g32": lambda w: Int4DotWeight.from_float(w, 32),
+    "w4a8_g64": lambda w: Int4DotWeight.from_float(w, 64),
+    "w4a8_g128": lambda w: Int4DotWeight.from_float(w, 128),
+}
+
+
+def _kernels_or_skip() -> None:
+    try:
+        load_quant_kernels()
+    except KernelBuildError as exc:  # pragma: no cover - every CI machine has g++
+        pytest.skip(f"no C++ compiler for the packed-weight kernels: {exc}")
+
+
+def _magnitude(weight: PackedWeight) -> torch.Tensor:
+    """|w| per element as the kernel's float sums see it (int4: code * scale and offset apart)."""
+    if isinstance(weight, Int4Weight):
+        rep = lambda t: t.repeat_interleave(weight.group_size, dim=1)[:, : weight.in_features]  # noqa: E731
+        return (weight.codes().double() * rep(weight.scales).double()).abs() + rep(weight.offsets).double().abs()
+    return weight.dequantize().double().abs()
+
+
+def _assert_float32_rounding(out: torch.Tensor, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+    ref = reference_matmul(weight, x, bias)
+    xq = fake_quantize_activations(x.float()).double()
+    bound = 2 * weight.in_features * 2.0**-24 * (xq.abs() @ _magnitude(weight).t()) + 1e-30
+    excess = ((out.double() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"off by more than float32 rounding ({excess:.3e} over the bound)"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_integer_dot_kernel_equals_the_quantized_activation_reference_to_float32_rounding(
+    fmt: str, shape: tuple[int, int]
+) -> None:
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(10 * list(FORMATS).index(fmt) + SHAPES.index(shape))
+    n, k = shape
+    weight = FORMATS[fmt](torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen)
+    for rows in BATCHES:
+        x = torch.randn(rows, k, generator=gen)
+        x[0, :32] = 0.0  # an all-zero block (d = 0)
+        _assert_float32_rounding(weight.dot_kernel(x, bias), x, weight, bias)
+        weight.max_level = LEVEL_PORTABLE
+        _assert_float32_rounding(weight.dot_kernel(x, bias), x, weight, bias)
+        weight.max_level = None
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_portable_and_avx2_integer_dot_paths_agree_bit_for_bit(fmt: str) -> None:
+    _kernels_or_skip()
+    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
+        pytest.skip("this CPU has no AVX2: only the portable path runs (tested against the reference)")
+    gen = torch.Generator().manual_seed(list(FORMATS).index(fmt))
+    for n, k in SHAPES:
+        weight = FORMATS[fmt](torch.randn(n, k, generator=gen))
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, k, generator=gen) * 3
+            weight.max_level = LEVEL_AVX2
+            avx2 = weight.dot_kernel(x)
+            weight.max_level = LEVEL_PORTABLE
+            assert torch.equal(avx2, weight.dot_kernel(x)), (n, k, rows)
+
+
+@pytest.mark.parametrize("fmt", ["w8a8_g32", "w4a8_g32"])
+def test_every_batch_size_and_the_torch_fallback_compute_the_same_quantized_product(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    weight = FORMATS[fmt](torch.randn(70, 128, generator=gen) * 0.05)
+    bias = torch.randn(70, generator=gen)
+    for rows in (1, DOT_KERNEL_MAX_ROWS, DOT_KERNEL_MAX_ROWS + 1, 129):  # the dot kernel, exact tile, GEMM
+        x = torch.randn(2, rows, 128, generator=gen)
+        out = weight.matmul(x, bias)
+        assert out.shape == (2, rows, 70)
+        _assert_float32_rounding(out.view(-1, 70), x.view(-1, 128), weight, bias)
+    monkeypatch.setattr(quant_dot, "quant_kernels_or_none", lambda: None)
+    monkeypatch.setattr("kvpager.model.backends.quant_weights.quant_kernels_or_none", lambda: None)
+    x = torch.randn(3, 128, generator=gen)
+    _assert_float32_rounding(weight.matmul(x, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize(("dot", "exact"), [("w8a8_int8", "int8"), ("w4a8_int8", "int4")])
+def test_the_dynamic_modes_differ_from_the_exact_ones_by_the_activation_rounding_only(dot: str, exact: str) -> None:
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 256, generator=gen) * 0.05
+    fast, slow = quantize(w, dot, 64), quantize(w, exact, 64)
+    assert torch.equal(fast.tensors()[0], slow.tensors()[0])  # the same stored weights
+    x = torch.randn(1, 256, generator=gen)
+    diff = (fast.matmul(x, None) - slow.matmul(x, None)).double().abs()
+    # |w . (x - x_hat)| <= sum_k |w_k| |x_k - x_hat_k|, each |x_k - x_hat_k| <= d_block / 2
+    _, d = quantize_activations(x)
+    half_step = (d / 2).repeat_interleave(32, dim=1)[:, :256].double()
+    bound = half_step @ slow.dequantize().double().abs().t() + 1e-5
+    assert (diff <= bound).all()
+    assert diff.max() > 1e-5  # the activations really are rounded (an exact run would differ by ~1e-7)
+
+
+def test_activations_are_quantized_symmetric_per_block_of_32_round_half_to_even() -> None:
+    x = torch.zeros(1, 40)
+    x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # d = 1: the halves round to even
+    x[0, 32:34] = torch.tensor([-0.25, 0.125])  # the last block (8 wide, zero-padded): d = 0.25 / 127
+    q, d = quantize_activations(x)
+    assert q.shape == (1, 2, 32) and d.shape == (1, 2)
+    assert q[0, 0, :4].tolist() == [127, 0, 2, -2] and d[0, 0].item() == 1.0
+    assert q[0, 1, :3].tolist() == [-127, 64, 0] and not q[0, 1, 3:].any()
+
+
+def test_row_concatenation_keeps_the_dynamic_format() -> None:
+    gen = torch.Generator().manual_seed(3)
+    parts = [Int4DotWeight.from_float(torch.randn(n, 64, generator=gen), 32) for n in (8, 4)]
+    fused = cat_rows(list(parts))
+    assert type(fused) is Int4DotWeight and fused.method == "w4a8_int8" and fused.out_features == 12
+    parts8 = [Int8DotWeight.from_float(torch.randn(n, 64, generator=gen)) for n in (8, 4)]
+    assert type(cat_rows(list(parts8))) is Int8DotWeight
+    assert not isinstance(Int8Weight.from_float(torch.randn(4, 64)), Int8DotWeight)
+
+
+@pytest.mark.parametrize("method", ["w8a8_int8", "w4a8_int8"])
+def test_group_sizes_that_are_not_multiples_of_32_are_refused_naming_the_value(method: str) -> None:
+    with pytest.raises(ValueError, match="multiple of 32.*got 48"):
+        EngineConfig(quantization=method, quantization_group_size=48)
+    with pytest.raises(ValueError, match="multiple of 32.*got 48"):
+        quantize(torch.randn(8, 96), method, 48)
+    with pytest.raises(ValueError, match="multiple of 32.*got 48"):
+        quantized_matrix_bytes(8, 96, method, 48)
+    EngineConfig(quantization=method, quantization_group_size=64)  # accepted
+    EngineConfig(quantization="int4", quantization_group_size=48)  # the exact int4 keeps its multiple of 16
+
+
+def test_the_kernel_refuses_a_group_it_cannot_run_and_writes_nothing() -> None:
+    _kernels_or_skip()
+    kernels = load_quant_kernels()
+    w = Int8Weight.from_float(torch.randn(8, 96), 48)  # an exact-mode weight: group 48 is fine there
+    x, out = torch.randn(1, 96), torch.full((1, 8), 7.0)
+    qw, scales, _ = w._pointers()
+    rc = kernels.dot_linear(w.fmt, x.data_ptr(), 1, 96, qw, scales, None, 8, 48, None, out.data_ptr(), 1, 1)
+    assert rc == -1 and (out == 7.0).all()
