@@ -41,6 +41,11 @@ FORMATS: dict[str, tuple[torch.dtype, str | None, int | None]] = {
     "int4-g64": (torch.float32, "int4", 64),
     "int4-g32": (torch.float32, "int4", 32),
     "bf16+int4-g32": (torch.bfloat16, "int4", 32),
+    # the same weights, activations quantized to int8 per block of 32 at each matmul (not exact)
+    "w8a8_int8": (torch.float32, "w8a8_int8", None),
+    "w8a8_int8-g32": (torch.float32, "w8a8_int8", 32),
+    "w4a8_int8-g128": (torch.float32, "w4a8_int8", 128),
+    "w4a8_int8-g32": (torch.float32, "w4a8_int8", 32),
 }
 
 

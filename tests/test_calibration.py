@@ -63,6 +63,11 @@ ENGINE_FORMATS = {
         {"quantization": "int4", "quantization_group_size": 32},
         ["--quantization", "int4", "--quantization-group-size", "32", "--dtype", "auto"],
     ),
+    "w8a8_int8": ({"quantization": "w8a8_int8"}, ["--quantization", "w8a8_int8", "--dtype", "auto"]),
+    "w4a8_int8_g64": (
+        {"quantization": "w4a8_int8", "quantization_group_size": 64, "dtype": "bfloat16"},
+        ["--quantization", "w4a8_int8", "--quantization-group-size", "64", "--dtype", "bfloat16"],
+    ),
 }
 
 
