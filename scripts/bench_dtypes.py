@@ -10,10 +10,12 @@ each dtype's ratio to float32 (ratios are what a shared machine can report; rate
 Shapes: "demo" (the bundled kvpager/demo_model), the random-weight shapes of
 kvpager.bench.dummy_models (`llama-3.2-1b`, ...; `load_format="dummy"`, nothing downloaded), or
 any checkpoint directory given as a path. A format is a dtype, optionally with a weight
-quantization: `bfloat16+int4` is `dtype="bfloat16", quantization="int4"`.
+quantization: `bfloat16+int4` is `dtype="bfloat16", quantization="int4"`; any --quantization value
+works (`bfloat16+w8a8_int8`, `bfloat16+w4a8_int8`: the same weights, integer dot products).
 
   python scripts/bench_dtypes.py --shapes demo,llama-3.2-1b --batches 1,8 --rounds 3 --threads 2
   python scripts/bench_dtypes.py --shapes models/llama-1b --dtypes bfloat16,bfloat16+int8,bfloat16+int4
+  python scripts/bench_dtypes.py --shapes models/llama-1b --dtypes bfloat16+int8,bfloat16+w8a8_int8,bfloat16+int4,bfloat16+w4a8_int8
 """
 
 from __future__ import annotations

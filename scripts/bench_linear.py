@@ -1,6 +1,7 @@
 """Packed-weight linear kernels against torch and against a memory-read probe of the same bytes.
 
-For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, torch's
+For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, the same int8 / int4 weights
+with int8 activations and integer dot products (w8a8_int8 / w4a8_int8: not exact), torch's
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`), each K x N shape (input x output features;
 by default the linear shapes of Llama-3.2-1B: q/o, k/v, gate/up, down and a tied 32000-row lm_head)
 and each batch of M input rows, the script times y = x @ W.T and reports weight GB/s (weight bytes
@@ -16,7 +17,7 @@ The "1B tok/s" lines add up one decoder layer's projections x 16 layers + the lm
 the tokens per second the linears alone allow (M tokens per step).
 
 Usage (from a clone): python scripts/bench_linear.py [--threads 2] [--rows 1,4,16,64]
-    [--shapes 2048x2048,...] [--formats f32,bf16,int8,int4,torch_int8,torch_int4] [--quick]
+    [--shapes 2048x2048,...] [--formats f32,bf16,int8,int4,w8a8_int8,w4a8_int8,torch_int8,torch_int4] [--quick]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight  # noqa: E402
 from kvpager.model.backends.quant_kernels import load_quant_kernels  # noqa: E402
 from kvpager.model.backends.quant_weights import Bf16Weight, Int4Weight, Int8Weight, PackedWeight  # noqa: E402
 
@@ -41,7 +43,7 @@ SHAPES_1B = "2048x2048,2048x512,2048x8192,8192x2048,2048x32000"
 # one Llama-3.2-1B decoder layer: q, k, v, o, gate, up, down (K x N); 16 layers + the lm_head
 LAYER_1B = [(2048, 2048), (2048, 512), (2048, 512), (2048, 2048), (2048, 8192), (2048, 8192), (8192, 2048)]
 LAYERS_1B, LM_HEAD_1B = 16, (2048, 32000)
-FORMATS = ("f32", "bf16", "int8", "int4", "torch_int8", "torch_int4")
+FORMATS = ("f32", "bf16", "int8", "int4", "w8a8_int8", "w4a8_int8", "torch_int8", "torch_int4")
 
 
 @dataclass
@@ -74,6 +76,10 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
         return Candidate(fmt, *_packed(Int8Weight.from_float(w), min_mb))
     if fmt == "int4":
         return Candidate(f"int4_g{group}", *_packed(Int4Weight.from_float(w, group), min_mb))
+    if fmt == "w8a8_int8":
+        return Candidate(fmt, *_packed(Int8DotWeight.from_float(w), min_mb))
+    if fmt == "w4a8_int8":
+        return Candidate(f"w4a8_int8_g{group}", *_packed(Int4DotWeight.from_float(w, group), min_mb))
     if fmt == "torch_int8":
         q = Int8Weight.from_float(w)
         n = _copies(q.nbytes, min_mb)
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     kernels = load_quant_kernels()
     print(f"kernel path: {kernels.describe()}; threads {args.threads}; torch {torch.__version__}")
+    print(f"w8a8_int8 / w4a8_int8: {kernels.describe_dot()}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     formats = args.formats.split(",")

@@ -23,6 +23,6 @@ def test_bench_linear_reports_every_format_shape_and_batch(tmp_path: Path) -> No
     assert module.main(["--quick", "--threads", "1", "--json-out", str(out)]) == 0
     rows = json.loads(out.read_text())
     names = {r["candidate"] for r in rows}
-    assert names == {"f32", "bf16", "int8", "int4_g32", "torch_int8", "torch_int4_g32"}
+    assert names == {"f32", "bf16", "int8", "int4_g32", "w8a8_int8", "w4a8_int8_g32", "torch_int8", "torch_int4_g32"}
     assert {(r["K"], r["N"], r["M"]) for r in rows} == {(k, n, m) for k, n in ((256, 64), (96, 160)) for m in (1, 3)}
     assert all(r["GBps"] > 0 and r["GFLOPs"] > 0 and r["read_probe_GBps"] > 0 for r in rows)

@@ -58,7 +58,9 @@ def _magnitude(weight: PackedWeight) -> torch.Tensor:
     return weight.dequantize().double().abs()
 
 
-def _assert_float32_rounding(out: torch.Tensor, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+def _assert_float32_rounding(
+    out: torch.Tensor, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
+) -> None:
     ref = reference_matmul(weight, x, bias)
     xq = fake_quantize_activations(x.float()).double()
     bound = 2 * weight.in_features * 2.0**-24 * (xq.abs() @ _magnitude(weight).t()) + 1e-30
