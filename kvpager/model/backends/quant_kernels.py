@@ -93,7 +93,11 @@ class QuantKernels:
         chosen = int(self.dot_level(self.default_level))
         if chosen == LEVEL_AVX2:
             how = "_mm256_maddubs_epi16 + _mm256_madd_epi16"
-            why = "no AVX-512/VNNI build: AVX2 is the best it has" if self.best_level > LEVEL_AVX2 else "the best"
+            why = (
+                "this CPU has AVX-512; there is no AVX-512/VNNI build of it"
+                if self.best_level > LEVEL_AVX2
+                else "the best this CPU has"
+            )
         else:
             how = "scalar int32"
             why = f"{ISA_ENV}=portable" if self.best_level > LEVEL_PORTABLE else "this CPU has no AVX2"
