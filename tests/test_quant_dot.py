@@ -11,10 +11,13 @@ the same order: they agree bit for bit.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvpager.core.config import EngineConfig
+from kvpager.engine.loading import log_weight_format
 from kvpager.model.backends import quant_dot
 from kvpager.model.backends.kernels.build import KernelBuildError
 from kvpager.model.backends.quant_dot import (
@@ -179,3 +182,21 @@ def test_the_kernel_refuses_a_group_it_cannot_run_and_writes_nothing() -> None:
     qw, scales, _ = w._pointers()
     rc = kernels.dot_linear(w.fmt, x.data_ptr(), 1, 96, qw, scales, None, 8, 48, None, out.data_ptr(), 1, 1)
     assert rc == -1 and (out == 7.0).all()
+
+
+def test_the_integer_dot_path_follows_the_cpu_and_the_isa_switch_and_is_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _kernels_or_skip()
+    kernels = load_quant_kernels()
+    monkeypatch.delenv("KVPAGER_KERNEL_ISA", raising=False)
+    best = LEVEL_AVX2 if kernels.best_level >= LEVEL_AVX2 else LEVEL_PORTABLE
+    assert kernels.dot_level(kernels.default_level) == best
+    assert kernels.describe_dot().startswith("AVX2+FMA integer-dot" if best == LEVEL_AVX2 else "portable C++ integer")
+    config = EngineConfig(quantization="w4a8_int8")
+    with caplog.at_level("INFO", logger="kvpager"):
+        log_weight_format(config, SimpleNamespace(torch_dtype="float32"), torch.device("cpu"))  # type: ignore[arg-type]
+    assert "quantization w4a8_int8, group 128" in caplog.text and "integer-dot kernel" in caplog.text
+    monkeypatch.setenv("KVPAGER_KERNEL_ISA", "portable")
+    assert kernels.dot_level(kernels.default_level) == LEVEL_PORTABLE
+    assert kernels.describe_dot().startswith("portable C++ integer-dot kernel (scalar int32")
