@@ -48,7 +48,7 @@ struct DotPacked {
 };
 
 struct Act {
-  const int8_t* q;  // [M, blocks * 32] (int4: each block in kInt4Order)
+  const int8_t* q;  // [M, blocks * 32] (int4: each block in the order int4_natural inverts)
   const float* d;   // [M, blocks]
   const float* xs;  // int4: [M, num_groups] the groups' sums of the quantized activations
 };

@@ -1,15 +1,17 @@
 // Primitives of the integer-dot kernels (quant_dot.cpp): one struct per instruction set.
 //
 // A block is 32 activations quantized to int8 with one float32 scale d (symmetric, d = max|x| / 127,
-// q = round-half-even(x / d)). dot_i8 / dot_i4 return the integer products of one weight block and
-// one activation block as 8 float32 lanes: lane l = the exact int32 sum of the products at stored
-// positions 4l..4l+3 (what _mm256_maddubs_epi16 + _mm256_madd_epi16 leave), converted to float.
+// q = round-half-even(x / d)). w_i8 / w_i4 load a weight block (S::W: int4 codes unpacked, int8 with
+// their absolute values), once for every input row it meets; dot_i8 / dot_i4 return the integer
+// products of a weight block and an activation block as 8 float32 lanes: lane l = the exact int32
+// sum of the products at stored positions 4l..4l+3 (what _mm256_maddubs_epi16 + _mm256_madd_epi16
+// leave), converted to float.
 // Both structs build the lanes, scale them (a multiply then an add, no fused multiply-add) and sum
 // them in the same order, so the portable and AVX2 paths agree bit for bit.
 //
 // int4 blocks are the 16 bytes of two 8-byte spans (quant.cpp's layout): low nibbles = weights
 // 0..7 and 16..23, high nibbles = 8..15 and 24..31. The activation block is stored in that order
-// ([0..7, 16..23, 8..15, 24..31], kInt4Order), so the nibbles need no shuffle.
+// ([0..7, 16..23, 8..15, 24..31], int4_natural), so the nibbles need no shuffle.
 
 #pragma once
 
@@ -33,6 +35,19 @@ struct Portable {
     float v[8];
   };
   using X = const int8_t*;  // an activation block
+  struct W {                 // a weight block: int8 values, or int4 codes in stored order
+    int16_t v[kBlock];
+  };
+  static W w_i8(const int8_t* w) {
+    W r;
+    for (int p = 0; p < kBlock; ++p) r.v[p] = w[p];
+    return r;
+  }
+  static W w_i4(const uint8_t* w) {
+    W r;
+    for (int p = 0; p < kBlock; ++p) r.v[p] = p < 16 ? (w[p] & 0xF) : (w[p - 16] >> 4);
+    return r;
+  }
   static V zero() { return V{}; }
   static X load_x(const int8_t* q) { return q; }
   static V madd(V acc, V a, float s) {  // acc + a * s, lane by lane
@@ -45,28 +60,17 @@ struct Portable {
     const float a = s[0] + s[2], b = s[1] + s[3];
     return a + b;
   }
-  static V dot_i8(const int8_t* w, X x) {
+  static V dot(const W& w, X x) {
     V r;
     for (int l = 0; l < 8; ++l) {
       int32_t t = 0;
-      for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(w[4 * l + e]) * x[4 * l + e];
+      for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(w.v[4 * l + e]) * x[4 * l + e];
       r.v[l] = static_cast<float>(t);
     }
     return r;
   }
-  static V dot_i4(const uint8_t* w, X x) {
-    V r;
-    for (int l = 0; l < 8; ++l) {
-      int32_t t = 0;
-      for (int e = 0; e < 4; ++e) {
-        const int p = 4 * l + e;
-        const int32_t code = p < 16 ? (w[p] & 0xF) : (w[p - 16] >> 4);
-        t += code * x[p];
-      }
-      r.v[l] = static_cast<float>(t);
-    }
-    return r;
-  }
+  static V dot_i8(const W& w, X x) { return dot(w, x); }
+  static V dot_i4(const W& w, X x) { return dot(w, x); }
   // Quantizes x[0..n) (n <= 32; the rest of the block is zero) into q (32 bytes); returns d.
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     float amax = 0.0f;
@@ -88,6 +92,18 @@ KVQ_PUSH_AVX2
 struct Avx2 {
   using V = __m256;
   using X = __m256i;
+  struct W {  // int8: the values and their absolute values; int4: the codes (abs unused)
+    __m256i v, abs;
+  };
+  static W w_i8(const int8_t* w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return W{v, _mm256_abs_epi8(v)};
+  }
+  static W w_i4(const uint8_t* w) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    return W{codes, codes};
+  }
   static V zero() { return _mm256_setzero_ps(); }
   static X load_x(const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
   static V madd(V acc, V a, float s) { return _mm256_add_ps(acc, _mm256_mul_ps(a, _mm256_set1_ps(s))); }
@@ -98,15 +114,12 @@ struct Avx2 {
     return _mm_cvtss_f32(s);
   }
   static V pairs(__m256i p16) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))); }
-  static V dot_i8(const int8_t* w, X x) {
+  static V dot_i8(const W& w, X x) {
     // |w| * (x with w's sign) = w * x; |w|, |x| <= 127, so a pair sum fits int16 without saturating
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    return pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x, wv)));
+    return pairs(_mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.v)));
   }
-  static V dot_i4(const uint8_t* w, X x) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-    return pairs(_mm256_maddubs_epi16(codes, x));  // codes 0..15 unsigned: no sign trick needed
+  static V dot_i4(const W& w, X x) {
+    return pairs(_mm256_maddubs_epi16(w.v, x));  // codes 0..15 unsigned: no sign trick needed
   }
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     alignas(32) float buf[kBlock];
@@ -136,7 +149,8 @@ struct Avx2 {
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     b = _mm256_max_epi8(b, _mm256_set1_epi8(-127));
     // the packs leave dwords in the order 0 2 4 6 1 3 5 7 (of 4 activations each)
-    const __m256i order = int4_order ? _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7) : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i order =
+        int4_order ? _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7) : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, order));
     return d;
   }
