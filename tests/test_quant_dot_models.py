@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpager.core.config import EngineConfig
+from kvpager.engine.engine import Engine
 from kvpager.model import allocate_kv_cache, build_attention_metadata, load_model
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 
@@ -56,3 +58,14 @@ def test_dynamic_model_logits_stay_within_the_measured_bound_of_the_exact_format
     print(f"{dynamic} vs {exact}: max |logit difference| {diff:.2e}")
     assert 0 < diff <= bound
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.9
+
+
+def test_kv_fingerprint_separates_the_dynamic_formats_from_the_exact_ones(llama_checkpoint: Path) -> None:
+    # the same weights, other activations: KV from one must never be reused by the other
+    loaded = {
+        q: Engine(EngineConfig(model=str(llama_checkpoint), quantization=q, kv_cache_memory=1 << 20)).loaded
+        for q in ("int8", "w8a8_int8")
+    }
+    assert loaded["int8"].weight_bytes == loaded["w8a8_int8"].weight_bytes
+    assert loaded["int8"].fingerprint != loaded["w8a8_int8"].fingerprint
+    assert "+w8a8_int8-gchannel:" in loaded["w8a8_int8"].weights_digest
