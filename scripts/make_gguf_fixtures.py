@@ -12,10 +12,12 @@ in build/bin (llama-quantize, llama-tokenize); BENCHMARKS.md says how to get and
    so `get_vocab_base_pre` is answered with "gpt-2" (the shared bench README's recipe). The
    converter imports `sentencepiece` (llama.cpp's requirements; `pip install sentencepiece`), on the
    PYTHONPATH you run this with.
-3. llama-quantize makes Q4_0 and Q4_K_M (a mix of Q4_K and Q6_K) from the F32 file.
+3. llama-quantize makes Q4_0, Q4_K_M (a mix of Q4_K and Q6_K), Q5_K_M (Q5_K and Q6_K) and Q6_K from
+   the F32 file (llama.cpp keeps some tensors at other types: the manifest records each tensor's).
 4. llama-tokenize records the token ids of each file's tokenizer for a mixed English/Chinese/code
    text.
-manifest.json lists the files (ggml type counts, sha256) and the recorded ids. With
+manifest.json lists the files (sha256, each tensor's ggml type and the counts, read back with the tree's
+gguf-py) and the recorded ids. With
 `--converter-only` (the tools not built yet) steps 3 and 4 are left out and the manifest says so.
 """
 
@@ -38,7 +40,7 @@ TEXT = (
 )
 # Rows a multiple of 256 (K-quant super-blocks); 2 layers, GQA.
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
-QUANTIZED = ("Q4_0", "Q4_K_M")
+QUANTIZED = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 # The converter run in-process, with the tokenizer-hash answer patched in.
 _CONVERT = """
 import runpy, sys
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 "made_by": "convert_hf_to_gguf.py --outtype q8_0" if ftype == "Q8_0" else f"llama-quantize {ftype}",
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                 "bytes": path.stat().st_size,
+                **tensor_types(llama, path),
             }
             if not args.converter_only:
                 entry["llama_tokenize_ids"] = llama_tokenize(tools["llama-tokenize"], path)
@@ -102,6 +105,16 @@ def convert(llama: Path, checkpoint: Path, out: Path, outtype: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     cmd = [sys.executable, "-c", _CONVERT, str(llama), str(checkpoint), "--outtype", outtype, "--outfile", str(out)]
     run(cmd, env=env)
+
+
+def tensor_types(llama: Path, model: Path) -> dict[str, object]:
+    """The ggml type of every tensor of `model` and how many of each, read with the tree's gguf-py."""
+    sys.path.insert(0, str(llama / "gguf-py"))
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(model).tensors}
+    counts = {kind: list(types.values()).count(kind) for kind in sorted(set(types.values()))}
+    return {"tensor_type_counts": counts, "tensor_types": dict(sorted(types.items()))}
 
 
 def llama_tokenize(tool: Path, model: Path) -> list[int]:

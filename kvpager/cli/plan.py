@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvpager.core.config import QUANTIZATIONS, resolve_dtype
 from kvpager.core.units import format_bytes, parse_bytes, parse_reserve
-from kvpager.gguf import is_gguf_path
+from kvpager.gguf import hf_config_from_gguf, is_gguf_path, open_gguf
 from kvpager.planner.devices import Device, custom_device, custom_reserve, find_device, measure_cpu
 from kvpager.planner.kvmath import parse_kv_dtype
 from kvpager.planner.models import ModelFacts, load_model_facts, shipped_model_names
@@ -187,7 +187,9 @@ def _engine_dtype(args: argparse.Namespace) -> str | None:
         return str(args.dtype)
     config = Path(args.model) / "config.json" if args.model else None
     torch_dtype = "bfloat16"
-    if config is not None and config.is_file():
+    if args.model and is_gguf_path(args.model):
+        torch_dtype = str(hf_config_from_gguf(open_gguf(args.model))["torch_dtype"])
+    elif config is not None and config.is_file():
         data = json.loads(config.read_text(encoding="utf-8"))
         torch_dtype = str(data.get("torch_dtype") or data.get("dtype") or "float32")
     return resolve_dtype("auto", torch_dtype, "cpu")

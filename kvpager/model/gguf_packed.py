@@ -10,8 +10,10 @@ matmul computes with exactly the values gguf-py's dequantizer gives:
   (-dmin*m), which the int8 kernels do not have; the offset term is offset[n, g] * sum of x over
   group g, one small matmul on the group sums.
 
-A fused projection (q/k/v, gate/up) whose parts are of different types (Q4_K_M files keep attn_v and
-ffn_down at 6 bits) is a RowStack: each part runs its own matmul on the same input.
+Which tensors run packed, and the bytes each form holds, is kvpager.gguf.executed's (torch-free, so
+the planner counts the same bytes). A fused projection (q/k/v, gate/up) whose parts are of different
+types (Q4_K_M files keep attn_v and ffn_down at 6 bits) is a RowStack: each part runs its own matmul
+on the same input.
 """
 
 from __future__ import annotations
@@ -23,15 +25,6 @@ import torch
 
 from kvpager.gguf.blocks import BlockCodes
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
-
-# ggml type -> how it is executed (the start-up log says this per type)
-EXECUTED_AS = {
-    "Q8_0": "int8 g32",
-    "Q4_0": "int4 g32",
-    "Q4_K": "int4 g32",
-    "Q5_K": "int8 g32 + per-group offset",
-    "Q6_K": "int8 g16",
-}
 
 
 def packed_from_blocks(blocks: BlockCodes, type_name: str) -> PackedWeight:

@@ -17,7 +17,6 @@ permuted.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import numpy as np
@@ -25,40 +24,19 @@ import torch
 
 from kvpager.gguf.blocks import BlockCodes, unpack_blocks
 from kvpager.gguf.config import ROPE_FREQS_TENSOR
+from kvpager.gguf.executed import (
+    FLOAT_TYPES,
+    LINEAR_SUFFIXES,
+    SUPPORTED_TENSOR_TYPES,
+    checkpoint_name,
+    is_linear_weight,
+    packed_form,
+)
 from kvpager.gguf.reader import GGUFError, GGUFModel, GGUFTensor
 from kvpager.model.backends.quant_weights import PackedWeight
-from kvpager.model.gguf_packed import EXECUTED_AS, packed_from_blocks
+from kvpager.model.gguf_packed import packed_from_blocks
 from kvpager.model.spec import ModelSpec
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_TENSOR_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(.+)$")
-# Linear weights under their checkpoint names (before q/k/v and gate/up are fused).
-_LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 # Tensors the config already consumed (the rope divisors become the spec's rope scaling).
 _CONSUMED = (ROPE_FREQS_TENSOR,)
 
@@ -68,7 +46,8 @@ class GGUFWeights:
 
     `read(name)`: the tensor as floats in `dtype` (dequantized when quantized). `packer(name)`: for a
     linear weight (projections, an untied lm_head) of a type kvpager executes in packed form
-    (EXECUTED_AS), a callable building that packed weight from the blocks, else None. `native`
+    (kvpager.gguf.executed.packed_form: the decision the planner counts bytes by), a callable
+    building that packed weight from the blocks, else None. `native`
     False (not a CPU with the packed-weight kernels, or floats asked for) and `quantization` set
     (requantize from the dequantized floats) both disable packers. What happened to each ggml type
     is counted for the start-up log (`report_lines`).
@@ -115,7 +94,7 @@ class GGUFWeights:
         dtype_name = str(self.dtype).removeprefix("torch.")
         if tensor.type_name in FLOAT_TYPES:
             how = f"as {dtype_name}"
-        elif self.requantize is not None and name.endswith(_LINEAR_SUFFIXES):
+        elif self.requantize is not None and name.endswith(LINEAR_SUFFIXES):
             how = f"dequantized, requantized to {self.requantize} (--quantization)"
         else:
             how = f"dequantized to {dtype_name} at load ({self._why_float(name)})"
@@ -124,9 +103,7 @@ class GGUFWeights:
 
     def packer(self, name: str) -> Callable[[], PackedWeight] | None:
         """How to build `name`'s packed weight from its blocks, or None (then it is read as floats)."""
-        tensor = self._tensors[name]
-        linear = name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight"
-        if not (self.native and linear and tensor.type_name in EXECUTED_AS):
+        if packed_form(name, self._tensors[name].type_name, packed_kernels=self.native) is None:
             return None
         return lambda: self._packed(name)
 
@@ -135,20 +112,25 @@ class GGUFWeights:
 
     def _packed(self, name: str) -> PackedWeight:
         tensor = self._tensors[name]
+        form = packed_form(name, tensor.type_name, packed_kernels=self.native)
+        assert form is not None, name
         blocks = unpack_blocks(tensor.type_name, tensor.data, tensor.shape)
         rows = self._row_order(name)
         if rows is not None:
             offsets = None if blocks.offsets is None else blocks.offsets[rows]
             blocks = BlockCodes(blocks.codes[rows], blocks.scales[rows], offsets, blocks.group)
-        self._count(tensor.type_name, f"executed as {EXECUTED_AS[tensor.type_name]} (exact, no requantization)")
-        return packed_from_blocks(blocks, tensor.type_name)
+        weight = packed_from_blocks(blocks, tensor.type_name)
+        if weight.nbytes != form.num_bytes(*tensor.shape):  # NOTE: the planner counts form.num_bytes
+            raise AssertionError(f"{name}: {tensor.type_name} packed into {weight.nbytes} bytes, not {form.name}'s")
+        self._count(tensor.type_name, f"executed as {form.name} (exact, no requantization)")
+        return weight
 
     def _why_float(self, name: str) -> str:
         if name == "embed_tokens.weight":
             return "embedding"
         if name == "lm_head.weight" and self.requantize is not None:
             return "lm_head, not quantized by --quantization"
-        if name.endswith(_LINEAR_SUFFIXES) or name == "lm_head.weight":
+        if is_linear_weight(name):
             return self.not_native_reason if not self.native else "fused with float parts"
         return "not a linear layer"
 
@@ -161,18 +143,6 @@ class GGUFWeights:
 
     def _count(self, kind: str, how: str) -> None:
         self._counts[kind, how] = self._counts.get((kind, how), 0) + 1
-
-
-def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:
-    """llama.cpp's tensor name -> transformers' (without "model."); GGUFError for a name kvpager does not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_PATTERN.match(gguf_name)
-    if match is not None and match[2] in _LAYER_NAMES:
-        return f"layers.{match[1]}.{_LAYER_NAMES[match[2]]}"
-    raise GGUFError(
-        f"GGUF file {str(model.path)!r} holds tensor {gguf_name!r}, which a {model.architecture} model does not use"
-    )
 
 
 def tensor_to_torch(tensor: GGUFTensor, dtype: torch.dtype, model: GGUFModel) -> torch.Tensor:

@@ -10,10 +10,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpager.core.config import resolve_dtype
 from kvpager.core.sizing import KVShape, pool_size
 from kvpager.core.tensor_parallel import tensor_parallel_layout
 from kvpager.planner import kvmath
+from kvpager.gguf import hf_config_from_gguf, is_gguf_path, open_gguf
 from kvpager.planner.devices import Device, Reserve, default_reserve
+from kvpager.planner.gguf_bytes import gguf_resident_weights
 from kvpager.planner.models import ModelFacts
 from kvpager.planner.params import ParamCounts, count_parameters, expected_experts_read
 from kvpager.planner.weights import (
@@ -69,6 +72,7 @@ class WeightsAnswer:
     bits_per_weight: float | None  # None: exact checkpoint bytes
     assumption: str
     num_bytes: int
+    file_bytes: int | None = None  # a GGUF model: the file's tensor bytes (num_bytes: what kvpager holds)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Plan:
     weight_bits_per_weight: float | None
     weight_assumption: str
     weight_bytes: int
+    weight_file_bytes: int | None  # a GGUF model: the file's tensor bytes (weight_bytes: what kvpager holds)
     kv_dtype: str
     kv_bytes_per_token: int
     kv_bytes_per_token_per_layer: list[int]
@@ -124,22 +129,29 @@ def resolve_weights(
     fmt: WeightFormat | None,
     options: PlanOptions | None = None,
 ) -> WeightsAnswer:
-    """Checkpoint bytes when a directory with safetensors is given and no format is forced."""
+    """Checkpoint bytes when a directory with safetensors is given and no format is forced; for a GGUF
+    model the bytes kvpager holds when it runs the file (its file bytes beside them)."""
+    gguf_model = open_gguf(model_dir) if model_dir is not None and fmt is None and is_gguf_path(model_dir) else None
+    quantization = options.quantization if options is not None else None
+    if gguf_model is not None and quantization is None:
+        dtype = options.dtype if options is not None and options.dtype is not None else None
+        if dtype is None:  # `kvpager serve`'s --dtype auto on the CPU
+            dtype = resolve_dtype("auto", str(hf_config_from_gguf(gguf_model)["torch_dtype"]), "cpu")
+        resident = gguf_resident_weights(gguf_model, dtype)
+        bits = round(8 * resident.num_bytes / counts.total, 3) if counts.total else 0.0
+        return WeightsAnswer("gguf", bits, resident.describe(), resident.num_bytes, resident.file_bytes)
     if options is not None and (options.dtype is not None or options.quantization is not None):
         dtype = options.dtype or "bfloat16"
         group = options.quantization_group_size
         fmt_e = engine_format(dtype, options.quantization, group)
         num_bytes = engine_weight_bytes(facts, counts, dtype, options.quantization, group)
         bits = round(8 * num_bytes / counts.total, 3) if counts.total else 0.0
-        return WeightsAnswer(fmt_e.name, bits, fmt_e.assumption, num_bytes)
+        file_bytes = gguf_model.tensor_bytes() if gguf_model is not None else None
+        return WeightsAnswer(fmt_e.name, bits, fmt_e.assumption, num_bytes, file_bytes)
     if fmt is None and model_dir is not None:
         checkpoint = read_checkpoint_weights(model_dir)
         if checkpoint is not None:
-            if checkpoint.tensor_types is not None:
-                types = ", ".join(f"{name} x{count}" for name, count in checkpoint.tensor_types)
-                note = f"exact: GGUF tensor data of {len(checkpoint.files)} file(s) ({types}), {checkpoint.num_elements:,} elements"
-            else:
-                note = f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
+            note = f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
             return WeightsAnswer("checkpoint", None, note, checkpoint.num_bytes)
     chosen = fmt or WEIGHT_FORMATS["bf16"]
     return WeightsAnswer(chosen.name, chosen.bits_per_weight, chosen.assumption, weight_bytes(counts, chosen))
@@ -162,6 +174,7 @@ def make_plan(facts: ModelFacts, options: PlanOptions, device: Device | None, mo
         weight_bits_per_weight=weights.bits_per_weight,
         weight_assumption=weights.assumption,
         weight_bytes=weights.num_bytes,
+        weight_file_bytes=weights.file_bytes,
         kv_dtype=kv_name,
         kv_bytes_per_token=sum(per_layer),
         kv_bytes_per_token_per_layer=per_layer,

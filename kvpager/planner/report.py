@@ -28,12 +28,17 @@ def _model_lines(plan: Plan) -> list[str]:
         else ""
     )
     bits = f"{plan.weight_bits_per_weight:g} bits/weight" if plan.weight_bits_per_weight is not None else "checkpoint"
-    return [
+    lines = [
         f"model      {plan.model_source}",
         f"params     {plan.num_parameters:,} = {format_count(plan.num_parameters)}{published}{active}",
         f"weights    {plan.weight_format} ({bits}): {format_bytes(plan.weight_bytes)} = {plan.weight_bytes:,} bytes",
-        f"           {plan.weight_assumption}",
     ]
+    if plan.weight_file_bytes is not None:
+        lines.append(
+            f"           held in memory by kvpager; the GGUF file's tensors are {format_bytes(plan.weight_file_bytes)}"
+            f" = {plan.weight_file_bytes:,} bytes"
+        )
+    return [*lines, f"           {plan.weight_assumption}"]
 
 
 def _kv_lines(plan: Plan) -> list[str]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpager.core.config import ACTIVATION_BLOCK, DYNAMIC_ACTIVATION_QUANTIZATIONS, QUANTIZATION_WEIGHTS
-from kvpager.gguf import is_gguf_path, open_gguf
 from kvpager.planner.models import ModelFacts
 from kvpager.planner.params import ParamCounts
 
@@ -100,7 +99,6 @@ class CheckpointWeights:
     num_bytes: int
     num_elements: int
     files: tuple[str, ...]
-    tensor_types: tuple[tuple[str, int], ...] | None = None  # GGUF: (ggml type, tensor count)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -115,26 +113,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def read_gguf_weights(path: Path) -> CheckpointWeights:
-    """Exact bytes of a GGUF model's tensor data (quantized blocks with their scales), from the headers."""
-    model = open_gguf(path)
-    num_elements = 0
-    for tensor in model.tensors.values():
-        numel = 1
-        for dim in tensor.shape:
-            numel *= dim
-        num_elements += numel
-    return CheckpointWeights(
-        model.tensor_bytes(), num_elements, tuple(p.name for p in model.files), tuple(model.type_counts().items())
-    )
-
-
 def read_checkpoint_weights(model_dir: Path) -> CheckpointWeights | None:
-    """Sum dtype size × shape over every tensor header; None when the directory has no safetensors.
-
-    A GGUF model (file or directory holding one) is read from its tensor infos instead."""
-    if is_gguf_path(model_dir):
-        return read_gguf_weights(model_dir)
+    """Sum dtype size × shape over every tensor header; None when the directory has no safetensors
+    (a GGUF model's bytes: kvpager.planner.gguf_bytes)."""
     if not model_dir.is_dir():
         return None
     files = safetensors_files(model_dir)

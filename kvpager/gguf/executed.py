@@ -1,0 +1,122 @@
+"""How kvpager executes each tensor of a GGUF file, and the bytes it then holds. Torch-free.
+
+One definition for both sides: the loader (kvpager/model/gguf_weights.py) packs exactly the tensors
+`packed_form` names, in that form, and checks each packed weight's bytes against
+`PackedForm.num_bytes`; the planner (`kvpager plan FILE.gguf`) sums the same numbers.
+
+llama.cpp's tensor names map to transformers' (`checkpoint_name`, without "model."). A linear weight
+(a projection or an untied lm_head) of a type in PACKED_FORMS runs from its blocks' own codes, with
+float32 scales (and offsets), on a CPU with the packed-weight kernels and without --quantization:
+
+| ggml type | executed as                    | resident bytes/weight | file bytes/weight |
+|-----------|--------------------------------|-----------------------|-------------------|
+| Q8_0      | int8 g32                       | 1 + 4/32 = 1.125      | 34/32 = 1.0625    |
+| Q4_0      | int4 g32 (scale + offset)      | 0.5 + 8/32 = 0.75     | 18/32 = 0.5625    |
+| Q4_K      | int4 g32 (scale + offset)      | 0.75                  | 144/256 = 0.5625  |
+| Q5_K      | int8 g32 + per-group offset    | 1 + 8/32 = 1.25       | 176/256 = 0.6875  |
+| Q6_K      | int8 g16                       | 1 + 4/16 = 1.25       | 210/256 = 0.8203  |
+
+Q5_K's 5-bit and Q6_K's 6-bit codes sit in int8 because the kernels read 8- and 4-bit codes only.
+Every other tensor (the embedding, norms, biases; every tensor when not packed) is held as floats.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvpager.gguf.reader import GGUFError, GGUFModel
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
+INT4_SPAN = 16  # int4 codes per 8-byte span (kvpager.model.backends.quant_weights.INT4_SPAN)
+SCALE_BYTES = 4  # float32 scales and offsets
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Linear weights under their checkpoint names (before q/k/v and gate/up are fused).
+LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+# The loader fuses these into one projection: "layers.0.self_attn.k_proj.weight" -> "layers.0.self_attn.qkv".
+_FUSED = re.compile(r"^(?P<layer>layers\.\d+\.)(?:self_attn\.(?P<qkv>[qkv])|mlp\.(?P<gu>gate|up))_proj\.weight$")
+
+
+@dataclass(frozen=True)
+class PackedForm:
+    """A packed weight format built from a ggml type's blocks, without requantization."""
+
+    name: str  # as the start-up log and the planner say it
+    group: int  # weights per scale (and offset), along a row
+    code_bits: int  # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN
+    offsets: bool  # a float32 offset per group beside the scale
+
+    def num_bytes(self, rows: int, cols: int) -> int:
+        """Bytes the packed weight of a [rows, cols] tensor holds (codes, scales, offsets)."""
+        groups = -(-cols // self.group)
+        codes = cols if self.code_bits == 8 else -(-cols // INT4_SPAN) * (INT4_SPAN // 2)
+        return rows * (codes + groups * SCALE_BYTES * (2 if self.offsets else 1))
+
+
+PACKED_FORMS = {
+    "Q8_0": PackedForm("int8 g32", 32, 8, False),
+    "Q4_0": PackedForm("int4 g32", 32, 4, True),
+    "Q4_K": PackedForm("int4 g32", 32, 4, True),
+    "Q5_K": PackedForm("int8 g32 + per-group offset", 32, 8, True),
+    "Q6_K": PackedForm("int8 g16", 16, 8, False),
+}
+
+
+def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:
+    """llama.cpp's tensor name -> transformers' (without "model."); GGUFError for a name kvpager does not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_PATTERN.match(gguf_name)
+    if match is not None and match[2] in _LAYER_NAMES:
+        return f"layers.{match[1]}.{_LAYER_NAMES[match[2]]}"
+    raise GGUFError(
+        f"GGUF file {str(model.path)!r} holds tensor {gguf_name!r}, which a {model.architecture} model does not use"
+    )
+
+
+def is_linear_weight(name: str) -> bool:
+    """A projection or the lm_head (checkpoint names): the weights that may run packed."""
+    return name.endswith(LINEAR_SUFFIXES) or name == "lm_head.weight"
+
+
+def fused_projection(name: str) -> str | None:
+    """The fused projection a linear weight becomes part of (q/k/v -> "...qkv", gate/up -> "...gate_up")."""
+    match = _FUSED.match(name)
+    if match is None:
+        return None
+    return match["layer"] + ("self_attn.qkv" if match["qkv"] else "mlp.gate_up")
+
+
+def packed_form(name: str, type_name: str, *, packed_kernels: bool) -> PackedForm | None:
+    """The form tensor `name` (checkpoint name) of ggml type `type_name` executes in, or None (floats).
+
+    `packed_kernels`: a CPU with kvpager's packed-weight kernels and no --quantization (which
+    requantizes from floats) or tensor parallelism (which slices floats)."""
+    if not packed_kernels or not is_linear_weight(name):
+        return None
+    return PACKED_FORMS.get(type_name)
