@@ -1,15 +1,22 @@
-"""`kvpager plan` predicts exactly the pool the engine allocates for the same configuration."""
+"""`kvpager plan` predicts exactly the pool the engine allocates, and the weight bytes it holds, for the
+same configuration: safetensors checkpoints in every kvpager format, GGUF files of every tensor type."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from checkpoints import make_llama_checkpoint, make_qwen2_checkpoint
+from gguf_files import write_gguf
 
 from kvpager.cli.plan import main as plan_main
 from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
+from kvpager.gguf import open_gguf
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 
 
 @pytest.mark.parametrize(("budget", "block_size", "max_model_len"), [(1 << 20, 16, 256), (777_777, 5, 100)])
@@ -92,3 +99,91 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_in_every_format(
 
 def test_plan_refuses_weights_together_with_quantization(llama_checkpoint: Path) -> None:
     assert plan_main([str(llama_checkpoint), "--weights", "q4_0", "--quantization", "int4"]) == 2
+
+
+# --- GGUF files: the plan reports the file's bytes and what the engine holds, and sizes KV from the latter ---
+
+GGUF_DATA = Path(__file__).parent / "data" / "gguf"
+# Written by tests/gguf_files.py from one checkpoint (rows a multiple of 256 for the K-quants); Q4_K_M
+# mixes Q4_K and Q6_K within the fused q/k/v and gate/up projections.
+WRITTEN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K", "Q6_K")
+# llama.cpp's own files (tests/data/gguf): Q5_K_M mixes Q5_K and Q6_K, Q4_0 has a Q6_K output.
+LLAMA_CPP_FILES = ("tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf", "tiny-llama-Q5_K_M.gguf", "tiny-llama-Q6_K.gguf")
+KV_FLAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("gguf_calibration")
+
+    def get(kind: str) -> Path:
+        if kind.endswith(".gguf"):
+            return GGUF_DATA / kind
+        if kind not in made:
+            if kind.startswith("tied-"):
+                checkpoint = root / "qwen2"
+                if not checkpoint.exists():
+                    make_qwen2_checkpoint(checkpoint, seed=1)
+            else:
+                checkpoint = root / "llama"
+                if not checkpoint.exists():
+                    make_llama_checkpoint(checkpoint, hidden_size=256, intermediate_size=512)
+            made[kind] = write_gguf(checkpoint, root / f"{kind}.gguf", tensor_type=kind.removeprefix("tied-"))
+        return made[kind]
+
+    return get
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert plan_main([*argv, "--json"]) in (0, 1)
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "quantization"),
+    [(t, "auto", None) for t in (*WRITTEN_TYPES, *LLAMA_CPP_FILES)]
+    + [
+        ("tiny-llama-Q5_K_M.gguf", "float32", None),
+        ("tiny-llama-Q5_K_M.gguf", "float16", None),
+        ("Q4_K_M", "float16", None),
+        ("F16", "float16", None),
+        ("tied-Q4_0", "auto", None),
+        ("tied-Q8_0", "float16", None),
+        ("tiny-llama-Q4_K_M.gguf", "auto", "int8"),
+        ("Q5_K", "float32", "int4"),
+    ],
+)
+def test_plan_weight_bytes_and_blocks_equal_the_engines_for_gguf_files(
+    gguf_file: Callable[[str], Path],
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+    dtype: str,
+    quantization: str | None,
+) -> None:
+    path, budget = gguf_file(kind), 1 << 20
+    fields: dict[str, Any] = {"dtype": dtype, "quantization": quantization}
+    with caplog.at_level("INFO", logger="kvpager"):
+        engine = Engine(EngineConfig(model=str(path), kv_cache_memory=budget, **fields))
+    flags = ["--dtype", dtype, "--kv-dtype", KV_FLAGS[engine.config.resolved_kv_cache_dtype]]
+    flags += ["--quantization", quantization] if quantization else []
+    plan = plan_json(capsys, str(path), "--kv-cache-memory", str(budget), *flags)
+    assert plan["weight_bytes"] == engine.loaded.weight_bytes
+    assert plan["weight_file_bytes"] == open_gguf(path).tensor_bytes()
+    assert plan["engine_num_blocks"] == engine.pool.num_blocks
+    # with a device, the KV budget is what is left after the bytes the engine holds (not the file's)
+    memory, reserve = 64 << 20, 1 << 20
+    on_device = plan_json(
+        capsys, str(path), "--memory", str(memory), "--bandwidth", "10GB/s", "--reserve", str(reserve), *flags
+    )
+    assert on_device["usable_kv_bytes"] == memory - reserve - engine.loaded.weight_bytes
+    # each packed type: the plan names the form the start-up log says the engine executes it in
+    executed = [m for m in caplog.messages if m.startswith("GGUF weights ") and " executed as " in m]
+    for line in executed:
+        ggml_type, rest = line.removeprefix("GGUF weights ").split(": ", 1)
+        count, form = rest.removesuffix(" (exact, no requantization)").split(" tensor(s) executed as ")
+        assert f"{ggml_type} x{count} executed as {form}" in plan["weight_assumption"], line
+    quantized = any(t.startswith("Q") for t in open_gguf(path).type_counts())
+    assert bool(executed) == (quantized and quantization is None and quant_kernels_or_none() is not None)

@@ -1,5 +1,6 @@
 """GGUF files that cannot be used fail with an error naming the problem; `kvpager plan file.gguf` reads
-the same metadata with the file's exact tensor bytes, without importing torch."""
+the same metadata with the file's exact tensor bytes (and the bytes kvpager holds: tests/test_calibration.py),
+without importing torch."""
 
 from __future__ import annotations
 
@@ -112,8 +113,10 @@ def test_plan_reads_the_gguf_metadata_and_exact_tensor_bytes(checkpoint: Path, q
     ):
         assert getattr(from_gguf, field) == getattr(from_config, field), field
     plan = make_plan(from_gguf, PlanOptions(), None, q8_file)
-    assert plan.weight_bytes == sum(t.n_bytes for t in gguf.GGUFReader(q8_file).tensors)
-    assert plan.weight_format == "checkpoint" and "Q8_0 x16" in plan.weight_assumption
+    assert plan.weight_file_bytes == sum(t.n_bytes for t in gguf.GGUFReader(q8_file).tensors)
+    assert plan.weight_format == "gguf" and "Q8_0 x16" in plan.weight_assumption
+    # what kvpager holds: Q8_0 with float32 scales (34 -> 36 bytes per 32 weights), the embedding in 16 bits
+    assert plan.weight_bytes > plan.weight_file_bytes
 
 
 @pytest.mark.slow
@@ -127,7 +130,7 @@ def test_plan_cli_on_a_gguf_file_does_not_import_torch(q8_file: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(q8_file)], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("NO-TORCH"), out
     plan = json.loads(out[: out.rindex("}") + 1])
-    assert plan["weight_bytes"] == open_gguf(q8_file).tensor_bytes()
+    assert plan["weight_file_bytes"] == open_gguf(q8_file).tensor_bytes()
 
 
 TINY_Q4_0 = Path(__file__).resolve().parent / "data" / "gguf" / "tiny-llama-Q4_0.gguf"

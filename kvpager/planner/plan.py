@@ -13,8 +13,8 @@ from typing import Any
 from kvpager.core.config import resolve_dtype
 from kvpager.core.sizing import KVShape, pool_size
 from kvpager.core.tensor_parallel import tensor_parallel_layout
-from kvpager.planner import kvmath
 from kvpager.gguf import hf_config_from_gguf, is_gguf_path, open_gguf
+from kvpager.planner import kvmath
 from kvpager.planner.devices import Device, Reserve, default_reserve
 from kvpager.planner.gguf_bytes import gguf_resident_weights
 from kvpager.planner.models import ModelFacts
@@ -151,7 +151,9 @@ def resolve_weights(
     if fmt is None and model_dir is not None:
         checkpoint = read_checkpoint_weights(model_dir)
         if checkpoint is not None:
-            note = f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
+            note = (
+                f"exact: safetensors headers of {len(checkpoint.files)} file(s), {checkpoint.num_elements:,} elements"
+            )
             return WeightsAnswer("checkpoint", None, note, checkpoint.num_bytes)
     chosen = fmt or WEIGHT_FORMATS["bf16"]
     return WeightsAnswer(chosen.name, chosen.bits_per_weight, chosen.assumption, weight_bytes(counts, chosen))
