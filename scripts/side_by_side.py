@@ -15,6 +15,14 @@ benchmark folder, which also makes the model):
         --concurrency 1:4,16:16 --output-len 64 --rounds 2 --json-out side_by_side_1b.jsonl \\
         --engine "kvpager-int4=8101=kvpager serve --model models/llama-1b --quantization int4 --port 8101" \\
         --engine "llama-q4_0=8102=llama-server -m llama-1b-q4_0.gguf -t 2 -np 16 -c 16384 -cb --port 8102"
+
+Both serving one GGUF file (BENCHMARKS.md converts the `1b` model with llama.cpp's tools); a .gguf
+given as `--tokenizer` has its vocabulary written out as a tokenizer.json for the load generator:
+
+    python scripts/side_by_side.py --loadgen BENCH_DIR/loadgen.py --tokenizer llama-1b-Q4_K_M.gguf \
+        --concurrency 1:4,16:16 --output-len 64 --rounds 2 --json-out side_by_side_1b_gguf.jsonl \
+        --engine "kvpager-q4_k_m=8101=kvpager serve --model llama-1b-Q4_K_M.gguf --port 8101" \
+        --engine "llama-q4_k_m=8102=llama-server -m llama-1b-Q4_K_M.gguf -t 2 -np 16 -c 16384 -cb --port 8102"
 """
 
 from __future__ import annotations
@@ -69,6 +77,21 @@ def wait_ready(engine: Engine, proc: subprocess.Popen[bytes], timeout: float) ->
     raise SystemExit(f"{engine.name} not ready after {timeout:.0f} s")
 
 
+def loadgen_tokenizer(path: str, out_dir: Path) -> str:
+    """--tokenizer as the load generator reads it (a model directory or a tokenizer.json): a GGUF
+    file's vocabulary, rebuilt by kvpager, is written to OUT_DIR/STEM-tokenizer.json."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvpager from this checkout
+    from kvpager.gguf import is_gguf_path, open_gguf
+
+    if not is_gguf_path(path):
+        return path
+    from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
+
+    out = out_dir / f"{Path(path).stem}-tokenizer.json"
+    out.write_text(tokenizer_from_gguf(open_gguf(path)).backend_json(), encoding="utf-8")
+    return str(out)
+
+
 def drive(args: argparse.Namespace, engine: Engine, pid: int, c: int, n: int, seed: int) -> dict:
     label = f"{engine.name}-c{c}-s{seed}"
     cmd = [
@@ -89,7 +112,9 @@ def drive(args: argparse.Namespace, engine: Engine, pid: int, c: int, n: int, se
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--loadgen", required=True, help="path of the shared loadgen.py")
-    ap.add_argument("--tokenizer", required=True, help="model directory holding tokenizer.json")
+    ap.add_argument(
+        "--tokenizer", required=True, help="model directory holding tokenizer.json, or a .gguf (its vocabulary)"
+    )
     ap.add_argument("--engine", action="append", type=parse_engine, required=True)
     ap.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency("1:4,16:16"))
     ap.add_argument("--prompt-len", default="128:512")
@@ -100,6 +125,7 @@ def main() -> None:
     ap.add_argument("--json-out", required=True)
     ap.add_argument("--log-dir", default=".", help="each engine's stdout/stderr goes to NAME.log here")
     args = ap.parse_args()
+    args.tokenizer = loadgen_tokenizer(args.tokenizer, Path(args.log_dir))
 
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
@@ -21,6 +22,7 @@ from test_model_equivalence import LLAMA3_ROPE, PagedHarness
 
 from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
+from kvpager.gguf import open_gguf
 from kvpager.model import load_model
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.llama import CausalLM
@@ -185,15 +187,17 @@ def test_gguf_fingerprint_names_the_tensor_data(files: Callable[..., Path]) -> N
 def test_bfloat16_load_runs_q8_0_packed_and_the_rest_in_the_model_dtype(
     files: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
+    path = files("llama_gqa_sentencepiece", "Q8_0")
     with caplog.at_level("INFO", logger="kvpager"):
-        model = load_model(
-            files("llama_gqa_sentencepiece", "Q8_0"), dtype=torch.bfloat16, device="cpu", kernel_backend="torch"
-        )
-    # matrices in bfloat16; norms (vectors) in float32, the CPU compute dtype (kvpager.model.precision)
+        model = load_model(path, dtype=torch.bfloat16, device="cpu", kernel_backend="torch")
+    # matrices in bfloat16; norms (vectors) in float32, the CPU compute dtype (kvpager.model.precision),
+    # read as the file's F32 values (not rounded through bfloat16)
     assert {p.dtype for p in model.parameters() if p.dim() > 1} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters() if p.dim() == 1} == {torch.float32}
+    norm = open_gguf(path).tensors["output_norm.weight"]
+    assert torch.equal(model.norm.weight, torch.from_numpy(np.array(norm.data, dtype=np.float32)))
     assert "Q8_0: 1 tensor(s) dequantized to bfloat16 at load (embedding)" in caplog.text
-    assert "F32: 5 tensor(s) as bfloat16" in caplog.text
+    assert "F32: 5 tensor(s) as float32" in caplog.text
     if quant_kernels_or_none() is not None:
         assert "Q8_0: 15 tensor(s) executed as int8 g32 (exact, no requantization)" in caplog.text
         assert {type(w).__name__ for w in packed_weights(model).values()} == {"Int8Weight"}

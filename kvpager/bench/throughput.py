@@ -22,6 +22,7 @@ from kvpager.core.kv_cache_manager import cdiv
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler
 from kvpager.engine.args import KV_CACHE_DTYPE_CHOICES, add_weight_format_args, bytes_arg
+from kvpager.gguf import is_gguf_path, open_gguf
 from kvpager.model.spec import load_model_spec
 
 ISSUE_TARGETS = {"speedup_issue2": 4.0, "speedup_issue6": 8.0, "kv_utilisation": 0.95}
@@ -134,6 +135,14 @@ def default_kv_budget(model_dir: str, args: argparse.Namespace) -> int:
     return blocks * shape.bytes_per_block(args.block_size)
 
 
+def gguf_tensor_types(model: str) -> str | None:
+    """A GGUF model's ggml tensor types ("F32 x5, Q5_K x13, Q6_K x3"; the start-up log says how each
+    runs), None for a checkpoint directory."""
+    if not is_gguf_path(model):
+        return None
+    return ", ".join(f"{kind} x{n}" for kind, n in open_gguf(model).type_counts().items())
+
+
 def validate(args: argparse.Namespace) -> None:
     for name in ("num_requests", "input_len", "output_len", "sequential_requests"):
         if getattr(args, name) < 1:
@@ -204,6 +213,7 @@ def build_result(
             "quantization": engine.config.quantization,
             "quantization_group_size": engine.config.resolved_quantization_group_size,
             "weight_bytes": engine.loaded.weight_bytes,
+            "gguf_tensor_types": gguf_tensor_types(choice.model_dir),
         },
         "sequential": {**asdict(seq), "output_tokens_per_s": seq.output_tokens_per_s},
         "batched": {**asdict(batched), "output_tokens_per_s": batched.output_tokens_per_s, "max_running": max_running},
@@ -240,7 +250,8 @@ def render(result: dict[str, Any]) -> str:
             f"workload: prompt {w['input_len']}, output {w['output_len']} (ignore_eos), {w['num_requests']} requests "
             f"batched; one-at-a-time rate from {w['sequential_requests']} requests run alone (same shape, same rate); "
             f"matmul precision {w.get('fp32_matmul_precision', 'highest')}, KV cache {w.get('kv_cache_dtype', 'float32')}, "
-            f"weights {w.get('dtype', 'float32')} / quantization {w.get('quantization') or 'none'}",
+            f"weights {w.get('dtype', 'float32')} / quantization {w.get('quantization') or 'none'}"
+            + (f" / GGUF {w['gguf_tensor_types']}" if w.get("gguf_tensor_types") else ""),
             table,
             f"speedup: {result['speedup']:.2f}x (targets: >= 4x issue 2, >= 8x issue 6)",
             f"KV pool utilisation (tokens stored / slots in owned blocks, mean over {util['num_steps']} steps): "

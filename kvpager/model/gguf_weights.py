@@ -63,8 +63,12 @@ class GGUFWeights:
         not_native_reason: str = "no packed-weight kernels here",
         quantization: str | None = None,
         quantization_group_size: int | None = None,
+        vector_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.spec, self.dtype = model, spec, dtype
+        # NOTE: norms and biases (1-D) are read straight into the dtype they compute in (float32 on the
+        # CPU), so llama.cpp's F32 norms are not rounded through a 16-bit model dtype on the way
+        self.vector_dtype = vector_dtype or dtype
         self.native = native and quantization is None
         self.not_native_reason = not_native_reason
         self.requantize = None
@@ -87,11 +91,12 @@ class GGUFWeights:
     def read(self, name: str) -> torch.Tensor:
         """The tensor as a new CPU tensor in the model's dtype (q/k rows in transformers' order)."""
         tensor = self._tensors[name]
-        weights = tensor_to_torch(tensor, self.dtype, self.model)
+        dtype = self.dtype_of(name)
+        weights = tensor_to_torch(tensor, dtype, self.model)
         rows = self._row_order(name)
         if rows is not None:
             weights = weights[torch.from_numpy(rows)]
-        dtype_name = str(self.dtype).removeprefix("torch.")
+        dtype_name = str(dtype).removeprefix("torch.")
         if tensor.type_name in FLOAT_TYPES:
             how = f"as {dtype_name}"
         elif self.requantize is not None and name.endswith(LINEAR_SUFFIXES):
@@ -100,6 +105,10 @@ class GGUFWeights:
             how = f"dequantized to {dtype_name} at load ({self._why_float(name)})"
         self._count(tensor.type_name, how)
         return weights
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype `read(name)` gives: vector_dtype for norms and biases, else the model dtype."""
+        return self.vector_dtype if len(self._tensors[name].shape) == 1 else self.dtype
 
     def packer(self, name: str) -> Callable[[], PackedWeight] | None:
         """How to build `name`'s packed weight from its blocks, or None (then it is read as floats)."""

@@ -30,6 +30,7 @@ from kvpager.model.gguf_packed import layout_of, stack_rows
 from kvpager.model.gguf_weights import GGUFWeights
 from kvpager.model.llama import CausalLM
 from kvpager.model.parallel import TensorParallel, shard_spec
+from kvpager.model.precision import compute_dtype
 from kvpager.model.safetensors_mmap import MappedSafetensors
 from kvpager.model.spec import ModelFileNotFoundError, ModelSpec, load_model_spec, read_json, spec_from_gguf
 from kvpager.model.tp_shards import ShardPlan, shard_plan
@@ -129,6 +130,7 @@ def load_model(
                 ),
                 quantization=quantization,
                 quantization_group_size=quantization_group_size,
+                vector_dtype=compute_dtype(dtype, device),
             )
             sources = _fuse(spec, {n: _gguf_source(gguf, n, shape) for n, shape in gguf.shapes().items()})
         else:
@@ -146,7 +148,9 @@ def load_model(
             elif any(s.packed is not None for s in parts):  # GGUF blocks executed as they are
                 packed[name] = stack_rows([s.packed() if s.packed else DenseWeight(s.read()) for s in parts])
             else:
-                state[name] = _materialise(parts, expected[name], dtype, device)
+                # NOTE: a GGUF model's norms and biases keep the dtype they were read in (GGUFWeights.dtype_of)
+                target = compute_dtype(dtype, device) if gguf is not None and len(expected[name]) == 1 else dtype
+                state[name] = _materialise(parts, expected[name], target, device)
     finally:
         for f in files:
             f.close()
