@@ -58,8 +58,6 @@ _LAYER_NAMES = {
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Linear weights under their checkpoint names (before q/k/v and gate/up are fused).
 LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
-# The loader fuses these into one projection: "layers.0.self_attn.k_proj.weight" -> "layers.0.self_attn.qkv".
-_FUSED = re.compile(r"^(?P<layer>layers\.\d+\.)(?:self_attn\.(?P<qkv>[qkv])|mlp\.(?P<gu>gate|up))_proj\.weight$")
 
 
 @dataclass(frozen=True)
@@ -102,14 +100,6 @@ def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:
 def is_linear_weight(name: str) -> bool:
     """A projection or the lm_head (checkpoint names): the weights that may run packed."""
     return name.endswith(LINEAR_SUFFIXES) or name == "lm_head.weight"
-
-
-def fused_projection(name: str) -> str | None:
-    """The fused projection a linear weight becomes part of (q/k/v -> "...qkv", gate/up -> "...gate_up")."""
-    match = _FUSED.match(name)
-    if match is None:
-        return None
-    return match["layer"] + ("self_attn.qkv" if match["qkv"] else "mlp.gate_up")
 
 
 def packed_form(name: str, type_name: str, *, packed_kernels: bool) -> PackedForm | None:

@@ -4,18 +4,18 @@ The two differ: kvpager executes quantized linear weights from their blocks' own
 float32 scales (Q5_K and Q6_K codes in int8), and dequantizes the embedding to the model dtype
 (kvpager.gguf.executed has the table). Which tensor runs in which form is decided by
 `kvpager.gguf.executed.packed_form`, the function the loader packs by; floats follow the engine's
-CPU precision rule (docs/precision.md, as `engine_weight_bytes`): norms and biases in float32, a
-float16 model's linear weights widened to float32. tests/test_calibration.py holds these bytes to the
-engine's own count for every tensor type.
+CPU precision rule (docs/precision.md, as `engine_weight_bytes`): matrices (embedding, float linear
+weights) in the model dtype, norms and biases in float32. tests/test_calibration.py holds these bytes
+to the engine's own count for every tensor type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpager.gguf import GGUFModel, hf_config_from_gguf
+from kvpager.gguf import GGUFModel
 from kvpager.gguf.config import ROPE_FREQS_TENSOR
-from kvpager.gguf.executed import checkpoint_name, fused_projection, is_linear_weight, packed_form
+from kvpager.gguf.executed import checkpoint_name, packed_form
 from kvpager.planner.weights import ENGINE_DTYPE_BYTES
 
 COMPUTE_BYTES = ENGINE_DTYPE_BYTES["float32"]  # norms and biases: the compute dtype of every CPU model
@@ -51,14 +51,7 @@ def gguf_resident_weights(model: GGUFModel, dtype: str, *, packed_kernels: bool 
         raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPE_BYTES)}, got {dtype!r}")
     element = (dtype, ENGINE_DTYPE_BYTES[dtype])
     compute = ("float32", COMPUTE_BYTES)
-    widened = compute if dtype == "float16" else element  # plain float linear weights (precision rule)
-    tied = bool(hf_config_from_gguf(model)["tie_word_embeddings"])
     names = {g: checkpoint_name(g, model) for g in model.tensors if g != ROPE_FREQS_TENSOR}
-    packed_groups = {
-        fused_projection(n)
-        for g, n in names.items()
-        if packed_form(n, model.tensors[g].type_name, packed_kernels=packed_kernels) is not None
-    }
     rows: dict[tuple[str, str], list[int]] = {}
     num_elements = 0
     for gguf_name, name in names.items():
@@ -71,14 +64,9 @@ def gguf_resident_weights(model: GGUFModel, dtype: str, *, packed_kernels: bool 
         if form is not None:
             how, num_bytes = f"executed as {form.name}", form.num_bytes(tensor.shape[0], tensor.shape[1])
         else:
-            if is_linear_weight(name):
-                group = fused_projection(name)
-                # NOTE: a float part of a fused projection with packed parts stays in the model dtype
-                held = element if group is not None and group in packed_groups else widened
-            elif name == "embed_tokens.weight":
-                held = widened if tied else element  # a tied embedding is the lm_head's weight
-            else:
-                held = compute
+            # matrices (embedding, float linear weights, a float part of a fused projection with packed
+            # parts) in the model dtype; norms and biases (vectors) in the compute dtype
+            held = element if len(tensor.shape) == 2 else compute
             verb = "as" if tensor.type_name in ("F32", "F16", "BF16") else "dequantized to"
             how, num_bytes = f"{verb} {held[0]}", numel * held[1]
         entry = rows.setdefault((tensor.type_name, how), [0, 0])
