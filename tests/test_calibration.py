@@ -153,6 +153,7 @@ def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
         ("tied-Q8_0", "float16", None),
         ("tiny-llama-Q4_K_M.gguf", "auto", "int8"),
         ("Q5_K", "float32", "int4"),
+        ("tiny-llama-Q5_K_M.gguf", "auto", "w8a8_int8"),
     ],
 )
 def test_plan_weight_bytes_and_blocks_equal_the_engines_for_gguf_files(
