@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoints import random_ids
 from engine_helpers import run_greedy, tiny_llama_config
 
 from kvpager.engine.engine import Engine
@@ -24,13 +25,8 @@ RNG = random.Random(5)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks
 
 
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
-PROMPTS = {"a": SHARED + tail(7, 1), "b": SHARED + tail(5, 2), "other": tail(30, 300)}
-FILLERS = [tail(30, 200 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
+PROMPTS = {"a": SHARED + random_ids(7, 1), "b": SHARED + random_ids(5, 2), "other": random_ids(30, 300)}
+FILLERS = [random_ids(30, 200 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
 
 
 def hold_host_lookups(monkeypatch: pytest.MonkeyPatch) -> threading.Event:

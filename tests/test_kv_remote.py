@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoints import random_ids
 from engine_helpers import TINY_BLOCK, run_greedy, tiny_llama_config
 from redis_server import StoreServer, free_port
 from test_engine import hf_greedy
@@ -26,13 +27,8 @@ RNG = random.Random(11)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks of 4
 
 
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
-PROMPTS = {"a": SHARED + tail(7, 1), "b": SHARED + tail(5, 2), "c": SHARED[:22] + tail(9, 3)}
-OTHERS = [tail(17, 100 + i) for i in range(4)]
+PROMPTS = {"a": SHARED + random_ids(7, 1), "b": SHARED + random_ids(5, 2), "c": SHARED[:22] + random_ids(9, 3)}
+OTHERS = [random_ids(17, 100 + i) for i in range(4)]
 
 
 def remote_engine(checkpoint: Path, url: str, **kv: object) -> Engine:

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+from checkpoints import random_ids
 from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
 
 from kvpager.core.config import KV_CODECS, EngineConfig
@@ -25,18 +26,13 @@ RNG = random.Random(7)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks
 
 
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
 PROMPTS = {
-    "a": SHARED + tail(7, 1),
-    "b": SHARED + tail(5, 2),  # same 10 blocks as "a"
-    "c": SHARED[:22] + tail(9, 3),  # shares 5 whole blocks and 2 tokens of the 6th
+    "a": SHARED + random_ids(7, 1),
+    "b": SHARED + random_ids(5, 2),  # same 10 blocks as "a"
+    "c": SHARED[:22] + random_ids(9, 3),  # shares 5 whole blocks and 2 tokens of the 6th
     "exact": SHARED,  # 40 tokens: at most 9 blocks may be reused (the last token is computed)
 }
-FILLERS = [tail(30, 100 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
+FILLERS = [random_ids(30, 100 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
 
 
 def config(checkpoint: Path, num_blocks: int = 24, **kv: object) -> EngineConfig:
