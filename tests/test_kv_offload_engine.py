@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_helpers import TINY_BLOCK, run_greedy, tiny_llama_config
+from engine_helpers import TINY_BLOCK, cold_greedy, run_greedy, tiny_llama_config
 from held_tiers import FILLERS, NUM_NEW, PROMPTS, hold_disk_writes
 
 from kvpager.core.request import RequestStatus
@@ -23,9 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
-    engine = Engine(tiny_llama_config(llama_checkpoint, 64, enable_prefix_caching=False))
-    prompts = {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}
-    return {name: run_greedy(engine, prompt, NUM_NEW)[0] for name, prompt in prompts.items()}
+    return cold_greedy(llama_checkpoint, {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}, NUM_NEW)
 
 
 def test_steps_go_on_while_the_disk_tier_has_not_written_anything(

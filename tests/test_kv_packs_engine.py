@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import random_ids
-from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
+from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, cold_greedy, run_greedy, tiny_llama_config
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.sampling_params import SamplingParams
@@ -43,8 +43,7 @@ def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tupl
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
-    engine = Engine(config(llama_checkpoint, enable_prefix_caching=False))
-    return {name: greedy(engine, prompt)[0] for name, prompt in PROMPTS.items()}
+    return cold_greedy(llama_checkpoint, PROMPTS, NUM_NEW)
 
 
 @pytest.fixture(scope="module")

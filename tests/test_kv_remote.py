@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import random_ids
-from engine_helpers import TINY_BLOCK, run_greedy, tiny_llama_config
+from engine_helpers import TINY_BLOCK, cold_greedy, run_greedy, tiny_llama_config
 from redis_server import StoreServer, free_port
 from test_engine import hf_greedy
 
@@ -38,9 +38,7 @@ def remote_engine(checkpoint: Path, url: str, **kv: object) -> Engine:
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
     """Greedy tokens of a cold engine (no prefix caching) for every prompt used here."""
-    engine = Engine(tiny_llama_config(llama_checkpoint, 64, enable_prefix_caching=False))
-    prompts = {**PROMPTS, **{f"o{i}": p for i, p in enumerate(OTHERS)}}
-    return {name: run_greedy(engine, prompt, NUM_NEW)[0] for name, prompt in prompts.items()}
+    return cold_greedy(llama_checkpoint, {**PROMPTS, **{f"o{i}": p for i, p in enumerate(OTHERS)}}, NUM_NEW)
 
 
 def test_second_engine_serves_the_first_engines_prefix_from_the_store(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import random_ids
-from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
+from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, cold_greedy, run_greedy, tiny_llama_config
 
 from kvpager.core.config import KV_CODECS, EngineConfig
 from kvpager.core.hashing import hash_prompt_blocks
@@ -45,9 +45,7 @@ def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tupl
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
-    engine = Engine(config(llama_checkpoint, num_blocks=64, enable_prefix_caching=False))
-    prompts = {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}
-    return {name: greedy(engine, prompt)[0] for name, prompt in prompts.items()}
+    return cold_greedy(llama_checkpoint, {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}, NUM_NEW)
 
 
 def run_fillers(engine: Engine, reference: dict[str, list[int]]) -> None:
