@@ -11,6 +11,7 @@ exactly `vocab_size`; special ids match the config's bos/eos.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,13 @@ SMALL = {
     "rms_norm_eps": 1e-6,
     "initializer_range": 0.05,
 }
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """`n` token ids drawn (seeded) from 3..vocab_size-1 of the tiny checkpoints: past the bos/eos ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, SMALL["vocab_size"]) for _ in range(n)]
+
 
 LLAMA_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 (bos 1, eos 2)
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (eos 2)

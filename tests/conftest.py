@@ -1,12 +1,19 @@
-"""Shared fixtures: one torch thread, session-scoped tiny random checkpoints (see checkpoints.py)."""
+"""Shared fixtures: one torch thread, session-scoped tiny random checkpoints (see checkpoints.py), a real
+Redis/Valkey server (redis_server.py) and an engine over a held host tier (held_tiers.py)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
+from held_tiers import engine_with_a_held_host_tier
+from redis_server import StoreServer
+
+from kvpager.engine.engine import Engine
 
 torch.set_num_threads(1)
 
@@ -33,3 +40,27 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mistral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny MistralForCausalLM (sliding window 4096, never reached)."""
     return make_mistral_checkpoint(tmp_path_factory.mktemp("mistral"), seed=3)
+
+
+@pytest.fixture
+def store_server(tmp_path: Path) -> Iterator[StoreServer]:
+    """A real Redis/Valkey server on a free loopback port, stopped after the test.
+
+    Skips, with the reason, where neither valkey-server nor redis-server is installed.
+    """
+    server = StoreServer(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def held_host_tier(llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Engine, threading.Event]]:
+    """(engine, release): the engine's host tier holds PROMPTS["a"]'s prefix (held_tiers.py) and answers
+    lookups only once `release` is set; set at teardown too, so a failed test leaves no thread waiting."""
+    engine, release = engine_with_a_held_host_tier(llama_checkpoint, monkeypatch)
+    try:
+        yield engine, release
+    finally:
+        release.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvpager.core.config import EngineConfig
@@ -28,3 +29,10 @@ def run_greedy(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list
                 result = (out.outputs[0].token_ids, out.num_cached_tokens)
     assert result is not None, "the request never finished"
     return result
+
+
+def cold_greedy(checkpoint: Path, prompts: Mapping[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens from one engine with prefix caching off (64 blocks of 4): the reference
+    the prefix-cache, tier and pack tests compare with (tests/test_engine.py checks it against transformers)."""
+    engine = Engine(tiny_llama_config(checkpoint, 64, enable_prefix_caching=False))
+    return {name: run_greedy(engine, prompt, max_tokens)[0] for name, prompt in prompts.items()}

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from checkpoints import random_ids
 from server_harness import ServerProcess, launch_server, metric
 
 from kvpager.api.llm import LLM
@@ -38,11 +38,6 @@ TRANSFER_KEY = "pair-transfer-key"
 SERVER_ARGS = (
     "--block-size", str(BLOCK), "--kv-cache-memory", "2MiB", "--max-num-seqs", "8", "--kv-transfer-key", TRANSFER_KEY
 )  # fmt: skip
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
 
 
 def expected_cached(num_prompt_tokens: int) -> int:
@@ -84,7 +79,11 @@ def complete(server: ServerProcess, prompt: list[int] | str, key: str | None = N
 def test_decode_server_imports_the_prompt_kv_and_matches_one_server(
     servers: dict[str, ServerProcess], reference: LLM
 ) -> None:
-    prompts = [ids(45, 1), ids(45, 1)[:24] + ids(13, 2), ids(40, 3)]  # partial block, shared prefix, exact blocks
+    prompts = [
+        random_ids(45, 1),
+        random_ids(45, 1)[:24] + random_ids(13, 2),
+        random_ids(40, 3),
+    ]  # partial block, shared prefix, exact blocks
     decode = servers["decode"]
     fetched_before = metric(decode.url, "kvpager:kv_fetches_ok_total")
     for prompt in prompts:
@@ -128,7 +127,7 @@ def test_chat_and_text_prompts_transfer_by_token_ids(servers: dict[str, ServerPr
 def test_prompt_shorter_than_a_block_is_not_fetched(servers: dict[str, ServerProcess]) -> None:
     decode = servers["decode"]
     before = metric(decode.url, "kvpager:kv_fetches_ok_total"), metric(decode.url, "kvpager:kv_fetches_failed_total")
-    got = complete(decode, ids(BLOCK - 1, 4))
+    got = complete(decode, random_ids(BLOCK - 1, 4))
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     after = metric(decode.url, "kvpager:kv_fetches_ok_total"), metric(decode.url, "kvpager:kv_fetches_failed_total")
     assert after == before
@@ -141,7 +140,7 @@ def test_unreachable_prefill_server_falls_back_to_local_prefill(
     decode = servers["decode"]
     servers["prefill"].stop()
     failed_before = metric(decode.url, "kvpager:kv_fetches_failed_total")
-    prompt = ids(50, 5)
+    prompt = random_ids(50, 5)
     want = reference.generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
     )
@@ -184,7 +183,7 @@ def test_refusing_prefill_server_is_a_logged_fallback(
         return httpx.Response(401, json={"error": {"message": "Incorrect API key provided.", "type": "x"}})
 
     with caplog.at_level(logging.WARNING, logger="kvpager"):
-        num_blocks, stats = _fetch_with(httpx.MockTransport(refuse), local_engine, ids(20, 6))
+        num_blocks, stats = _fetch_with(httpx.MockTransport(refuse), local_engine, random_ids(20, 6))
     assert num_blocks is None and stats["fetches_failed"] == 1 and stats["fetches_ok"] == 0
     assert "HTTP 401: Incorrect API key provided." in caplog.text
 
@@ -192,7 +191,7 @@ def test_refusing_prefill_server_is_a_logged_fallback(
 def test_payload_from_another_model_is_refused_on_import_and_falls_back(
     local_engine: AsyncEngine, qwen2_checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    prompt = ids(20, 7)
+    prompt = random_ids(20, 7)
     foreign = Engine(EngineConfig(model=str(qwen2_checkpoint), block_size=BLOCK, kv_cache_memory=1 << 20))
     payload = foreign.export_kv(prompt)
 
@@ -237,7 +236,7 @@ def test_unsigned_or_forged_prefill_payload_is_refused_and_the_output_is_unchang
 ) -> None:
     """A payload for the victim prompt's tokens with another prompt's K/V (a poisoning attempt): the
     decode server refuses it without the pair's signature, so the victim's greedy output stays."""
-    victim, other = ids(24, 20), ids(24, 21)
+    victim, other = random_ids(24, 20), random_ids(24, 21)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     async def greedy(prompt: list[int], rid: str) -> list[int]:
@@ -275,7 +274,7 @@ def test_oversized_prefill_response_is_dropped_without_buffering_it_whole(local_
             PrefillSettings("http://prefill.test"), BLOCK, 4096, TRANSFER_KEY, transport=httpx.MockTransport(serve)
         )
         try:
-            return await client.fetch_into(local_engine, ids(20, 22)), client.stats.as_dict()
+            return await client.fetch_into(local_engine, random_ids(20, 22)), client.stats.as_dict()
         finally:
             await client.aclose()
 

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from checkpoints import random_ids
 from redis_server import StoreServer
 from server_harness import ServerProcess, launch_server, metric
-from test_disagg import BLOCK, KEY, MAX_TOKENS, SERVER_ARGS, complete, expected_cached, ids
+from test_disagg import BLOCK, KEY, MAX_TOKENS, SERVER_ARGS, complete, expected_cached
 
 from kvpager.api.llm import LLM
 from kvpager.core.sampling_params import SamplingParams
@@ -74,7 +75,7 @@ def test_decode_server_pulls_stored_prompts_from_the_store_and_the_rest_over_htt
     reference = LLM(str(llama_checkpoint), block_size=BLOCK, device="cpu", enable_prefix_caching=False)
     decode, prefill = pair["decode"], pair["prefill"]
 
-    fresh = ids(45, 21)  # in no store yet: the prefill server computes it, the KV comes over HTTP
+    fresh = random_ids(45, 21)  # in no store yet: the prefill server computes it, the KV comes over HTTP
     before = counters(decode, prefill)
     got = complete(decode, fresh)
     assert got["choices"][0]["text"] == want(reference, fresh)
@@ -82,7 +83,7 @@ def test_decode_server_pulls_stored_prompts_from_the_store_and_the_rest_over_htt
     after = counters(decode, prefill)
     assert (after["http"], after["store"]) == (before["http"] + 1, before["store"])
 
-    stored = ids(37, 22)  # served by the prefill server first: its blocks are in the store
+    stored = random_ids(37, 22)  # served by the prefill server first: its blocks are in the store
     published = metric(prefill.url, "kvpager:kv_remote_published_total")
     assert complete(prefill, stored, KEY)["choices"][0]["text"] == want(reference, stored)
     wait_published(prefill, published + len(stored) // BLOCK)
@@ -97,7 +98,7 @@ def test_decode_server_pulls_stored_prompts_from_the_store_and_the_rest_over_htt
     assert after["remote_hits"] >= before["remote_hits"] + expected_cached(len(stored)) // BLOCK
 
     pair["store"].kill()  # the store is gone: the lookup fails fast, the KV comes over HTTP
-    gone = ids(29, 23)
+    gone = random_ids(29, 23)
     got = complete(decode, gone)
     assert got["choices"][0]["text"] == want(reference, gone)
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_cached(len(gone))

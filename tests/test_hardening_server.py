@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoints import random_ids
 from fastapi.testclient import TestClient
 
 from kvpager.api.server.app import ServerSettings, build_app
@@ -30,11 +30,6 @@ BLOCK = 4
 API_KEY = "clé-secrète-ü"  # non-ASCII on purpose (issue 16 item 10: latin-1 vs UTF-8)
 TRANSFER_KEY = "pair-transfer-key"
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
 
 
 def auth(key: str = API_KEY) -> dict[str, str]:
@@ -97,7 +92,7 @@ def forged_payload(client: TestClient, victim: list[int], donor: list[int]) -> b
 def test_unsigned_or_forged_pack_is_refused_and_never_changes_another_requests_output(
     client: TestClient, signature: str
 ) -> None:
-    victim, donor = ids(21, 1), ids(21, 2)
+    victim, donor = random_ids(21, 1), random_ids(21, 2)
     want = greedy_text(client, victim)
     payload = forged_payload(client, victim, donor)
     headers = {
@@ -108,11 +103,11 @@ def test_unsigned_or_forged_pack_is_refused_and_never_changes_another_requests_o
     resp = client.post("/v1/kv/import", content=payload, headers=headers)
     assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_kv_signature"
     assert greedy_text(client, victim) == want
-    assert greedy_text(client, victim[:12] + ids(9, 3)) == greedy_text(client, victim[:12] + ids(9, 3))
+    assert greedy_text(client, victim[:12] + random_ids(9, 3)) == greedy_text(client, victim[:12] + random_ids(9, 3))
 
 
 def test_signed_pack_round_trips_and_the_transfer_key_alone_authenticates_the_route(client: TestClient) -> None:
-    prompt = ids(22, 4)
+    prompt = random_ids(22, 4)
     exported = client.post("/v1/kv/export", json={"prompt_token_ids": prompt}, headers=auth())
     assert exported.headers[SIGNATURE_HEADER] == sign_payload(TRANSFER_KEY, exported.content)
     headers = {"Authorization": f"Bearer {TRANSFER_KEY}", SIGNATURE_HEADER: exported.headers[SIGNATURE_HEADER]}
@@ -123,7 +118,7 @@ def test_signed_pack_round_trips_and_the_transfer_key_alone_authenticates_the_ro
 
 
 def test_nan_or_inf_kv_values_are_refused_at_import_even_when_signed(client: TestClient) -> None:
-    prompt = ids(20, 5)
+    prompt = random_ids(20, 5)
     engine: Engine = client.engine  # type: ignore[attr-defined]
     pack = engine.decode_kv(client.post("/v1/kv/export", json={"prompt_token_ids": prompt}, headers=auth()).content)
     for bad in (math.nan, math.inf):
@@ -136,7 +131,9 @@ def test_nan_or_inf_kv_values_are_refused_at_import_even_when_signed(client: Tes
 
 def test_import_of_more_tokens_than_max_model_len_is_refused(client: TestClient) -> None:
     engine: Engine = client.engine  # type: ignore[attr-defined]
-    pack = engine.decode_kv(client.post("/v1/kv/export", json={"prompt_token_ids": ids(8, 6)}, headers=auth()).content)
+    pack = engine.decode_kv(
+        client.post("/v1/kv/export", json={"prompt_token_ids": random_ids(8, 6)}, headers=auth()).content
+    )
     header = PackHeader(pack.header.model_fingerprint, pack.header.model, tuple([5] * (engine.max_model_len + 1)))
     payload = encode_payload(header, [], "lossless")
     resp = client.post("/v1/kv/import", content=payload, headers=signed(payload))
@@ -298,9 +295,9 @@ def test_export_under_pool_pressure_is_503_with_retry_after(llama_checkpoint: Pa
         pool = engine.kv_manager.block_pool
         hold = pool.allocate(pool.num_free_blocks)  # every block owned by a request (the engine is idle)
         try:
-            resp = c.post("/v1/kv/export", json={"prompt_token_ids": ids(2 * BLOCK, 7)})
+            resp = c.post("/v1/kv/export", json={"prompt_token_ids": random_ids(2 * BLOCK, 7)})
         finally:
             pool.free(hold)
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1", resp.text
-        too_big = c.post("/v1/kv/export", json={"prompt_token_ids": ids((num_blocks + 1) * BLOCK, 8)})
+        too_big = c.post("/v1/kv/export", json={"prompt_token_ids": random_ids((num_blocks + 1) * BLOCK, 8)})
         assert too_big.status_code == 400, too_big.text

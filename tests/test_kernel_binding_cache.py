@@ -116,6 +116,71 @@ def test_index_values_are_checked_on_every_call_of_a_cached_signature(kernels: A
     assert decode.cached_signatures() == 2
 
 
+def test_the_first_index_tensor_out_of_range_is_named_as_the_full_checks_name_it(kernels: Any) -> None:
+    decode = _fresh(kernels, "kvp_paged_decode")
+    decode(**_decode_args([[0, 1], [2, 3]], [5, 8]))
+    both_bad = _decode_args([[0, 1], [2, 7]], [5, 9])  # block_tables and seq_lens out of range
+    for call in (decode, decode.checked):  # cached, then in full
+        with pytest.raises(KernelArgumentError, match=r"block_tables values must lie in \[0, 4\), got \[0, 7\]"):
+            call(**both_bad)
+    assert not both_bad["out"].any()
+    args = _decode_args([[0, 1], [2, 3]], [5, 8])
+    decode(**{**args, "rows": torch.tensor([1, 0])})
+    with pytest.raises(KernelArgumentError, match=r"rows values must lie in \[0, 2\), got \[-1, 0\]"):
+        decode(**{**_decode_args([[0, 9], [2, 3]], [5, 8]), "rows": torch.tensor([-1, 0])})
+
+
+def test_each_of_the_prefill_kernels_four_index_tensors_is_checked_on_every_call(kernels: Any) -> None:
+    prefill = _fresh(kernels, "kvp_prefill_attention")
+    q, out, cache = torch.randn(5, 2, 64), torch.zeros(5, 2, 64), torch.randn(2, 4, 4, 1, 64)
+    common = {"q": q, "out": out, "k_cache": cache[0], "v_cache": cache[1], "window": 0, "scale": 0.125}
+    common["kv_format"] = 0
+    ok = {"token_start": torch.tensor([0]), "query_len": torch.tensor([5]), "seq_len": torch.tensor([7])}
+    ok["block_tables"] = torch.tensor([[0, 1]])
+    assert prefill(**common, **ok) == 1
+    out.zero_()
+    for name, bad in (
+        ("token_start", torch.tensor([5])),
+        ("query_len", torch.tensor([0])),
+        ("seq_len", torch.tensor([9])),
+        ("block_tables", torch.tensor([[0, 4]])),
+    ):
+        with pytest.raises(KernelArgumentError, match=rf"{name} values must lie in"):
+            prefill(**common, **{**ok, name: bad})
+    assert not out.any() and prefill.cached_signatures() == 1
+
+
+def test_more_than_four_index_tensors_are_checked_in_groups_of_four(kernels: Any) -> None:
+    # kvp_check_ranges declared with five bounded tensors (it only reads them): the fifth is
+    # checked by a second call of the cached path
+    ten = (lambda s: 0, lambda s: 10)
+    spec = abi.KernelSpec(
+        "kvp_check_ranges",
+        (("limits", abi.Tensor(abi.I64, ("m",), values=(lambda s: 0, lambda s: 1))),)
+        + tuple((f"v{i}", abi.Tensor(abi.I64, (f"n{i}",), values=ten)) for i in range(4)),
+        returns="int64_t",
+    )
+    ranges = KernelFunction(kernels.lib, spec)
+    good = {"limits": torch.tensor([0]), **{f"v{i}": torch.arange(10) for i in range(4)}}
+    assert ranges(**good) == 0 and ranges.cached_signatures() == 1
+    for name in ("limits", "v0", "v3"):
+        bad = good[name].clone()
+        bad[-1] = 10
+        with pytest.raises(KernelArgumentError, match=rf"{name} values must lie in \[0, (1|10)\)"):
+            ranges(**{**good, name: bad})
+
+
+def test_check_ranges_sets_a_bit_for_each_array_out_of_range_and_skips_absent_ones(kernels: Any) -> None:
+    fn = kernels.lib.kvp_check_ranges
+    inside, below, above = torch.tensor([0, 3]), torch.tensor([-1, 0]), torch.tensor([1, 4])
+    limits = torch.tensor([4, 2, 0, 4, 2, 0, 4, 2, 0, 4, 2, 0, 4])
+    arrays = (inside, below, above, inside)
+    assert fn(limits.data_ptr(), *(a.data_ptr() for a in arrays)) == 0b0110
+    assert fn(limits.data_ptr(), inside.data_ptr(), None, above.data_ptr(), None) == 0b0100
+    limits[0] = 1  # only the first array is checked
+    assert fn(limits.data_ptr(), inside.data_ptr(), below.data_ptr(), above.data_ptr(), None) == 0
+
+
 def test_a_cached_int_is_not_reused_for_another_value_or_type(kernels: Any) -> None:
     decode = _fresh(kernels, "kvp_paged_decode")
     args = _decode_args([[0, 1], [2, 3]], [5, 8])

@@ -5,55 +5,31 @@ tests/test_engine.py)."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from engine_helpers import TINY_BLOCK, run_greedy, tiny_llama_config
+from engine_helpers import TINY_BLOCK, cold_greedy, run_greedy, tiny_llama_config
+from held_tiers import FILLERS, NUM_NEW, PROMPTS, hold_disk_writes
 
 from kvpager.core.request import RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.engine.engine import Engine
-from kvpager.kvstore.tiers import DiskTier, KVTiers
+from kvpager.kvstore.tiers import DiskTier
 
-NUM_NEW = 6
-RNG = random.Random(5)
-SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks
-
-
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
-PROMPTS = {"a": SHARED + tail(7, 1), "b": SHARED + tail(5, 2), "other": tail(30, 300)}
-FILLERS = [tail(30, 200 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
-    engine = Engine(tiny_llama_config(llama_checkpoint, 64, enable_prefix_caching=False))
-    prompts = {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}
-    return {name: run_greedy(engine, prompt, NUM_NEW)[0] for name, prompt in prompts.items()}
+    return cold_greedy(llama_checkpoint, {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}, NUM_NEW)
 
 
 def test_steps_go_on_while_the_disk_tier_has_not_written_anything(
     llama_checkpoint: Path, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    disk_answers = threading.Event()
-    written: list[Path] = []
-    original = DiskTier._write_atomic
-
-    def stuck_write(self: DiskTier, path: Path, data: bytes) -> None:
-        assert disk_answers.wait(timeout=60), "the test never released the disk"
-        original(self, path, data)
-        written.append(path)
-
-    monkeypatch.setattr(DiskTier, "_write_atomic", stuck_write)
+    disk_answers, written = hold_disk_writes(monkeypatch)
     engine = Engine(tiny_llama_config(llama_checkpoint, 24, kv_cache_dir=str(tmp_path)))
     assert run_greedy(engine, PROMPTS["a"], NUM_NEW) == (reference["a"], 0)
     for i, prompt in enumerate(FILLERS):  # every one of these steps evicts into a disk that never answers
@@ -92,20 +68,9 @@ def test_slow_disk_writes_overlap_the_steps(
 
 
 def test_request_waits_for_its_prefix_load_while_another_keeps_decoding(
-    llama_checkpoint: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
+    reference: dict, held_host_tier: tuple[Engine, threading.Event]
 ) -> None:
-    host_answers = threading.Event()
-    original = KVTiers.lookup
-
-    def slow_lookup(self: KVTiers, block_hash: Any, device: Any = "cpu") -> Any:
-        assert host_answers.wait(timeout=60), "the test never released the host tier"
-        return original(self, block_hash, device)
-
-    monkeypatch.setattr(KVTiers, "lookup", slow_lookup)
-    engine = Engine(tiny_llama_config(llama_checkpoint, 24, host_kv_cache_memory=1 << 20))
-    run_greedy(engine, PROMPTS["a"], NUM_NEW)
-    for prompt in FILLERS:
-        run_greedy(engine, prompt, NUM_NEW)
+    engine, host_answers = held_host_tier
     tokens: dict[str, list[int]] = {"other": [], "b": []}
     cached: dict[str, int] = {}
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
+from checkpoints import random_ids
+from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, cold_greedy, run_greedy, tiny_llama_config
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.sampling_params import SamplingParams
@@ -24,17 +25,12 @@ RNG = random.Random(11)
 SHARED = [RNG.randrange(3, 384) for _ in range(42)]  # 10 full blocks + 2 tokens
 
 
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
 PROMPTS = {
-    "b": SHARED + tail(5, 2),  # starts with the whole pack
-    "c": SHARED[:22] + tail(9, 3),  # shares 5 whole blocks and 2 tokens of the 6th
+    "b": SHARED + random_ids(5, 2),  # starts with the whole pack
+    "c": SHARED[:22] + random_ids(9, 3),  # shares 5 whole blocks and 2 tokens of the 6th
     "exact": SHARED[:40],  # the pack's full blocks exactly: 9 may be reused
 }
-FILLERS = [tail(30, 100 + i) for i in range(6)]
+FILLERS = [random_ids(30, 100 + i) for i in range(6)]
 
 
 def config(checkpoint: Path, num_blocks: int = 64, **kv: object) -> EngineConfig:
@@ -47,8 +43,7 @@ def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tupl
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
-    engine = Engine(config(llama_checkpoint, enable_prefix_caching=False))
-    return {name: greedy(engine, prompt)[0] for name, prompt in PROMPTS.items()}
+    return cold_greedy(llama_checkpoint, PROMPTS, NUM_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +121,7 @@ def test_pack_too_big_for_the_pool_is_refused(llama_checkpoint: Path, pack_path:
 
 def test_lossy_codecs_agree_with_lossless_on_the_next_token(llama_checkpoint: Path) -> None:
     """Top-1 agreement of the first predicted token after an int8 / int4 prefix, over 40 prompts."""
-    prompts = [tail(33, 1000 + i) for i in range(40)]
+    prompts = [random_ids(33, 1000 + i) for i in range(40)]
     source = Engine(config(llama_checkpoint, num_blocks=128))
     lossless = [greedy(source, p, max_tokens=1)[0][0] for p in prompts]
     agreement = {}
@@ -154,7 +149,7 @@ def test_request_larger_than_the_unpinned_pool_is_refused_not_left_waiting(
     engine = Engine(config(llama_checkpoint, num_blocks=24, kv_packs=(str(pack_path),)))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with pytest.raises(ValueError, match="10 more are pinned by KV packs"):
-        engine.add_request("big", tail(50, 5), params)  # 15 blocks > the 14 not pinned
-    engine.add_request("fits", tail(40, 6), params)  # 12 blocks
+        engine.add_request("big", random_ids(50, 5), params)  # 15 blocks > the 14 not pinned
+    engine.add_request("fits", random_ids(40, 6), params)  # 12 blocks
     while engine.has_unfinished_requests():
         engine.step()

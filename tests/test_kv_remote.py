@@ -8,11 +8,11 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import TINY_BLOCK, run_greedy, tiny_llama_config
+from checkpoints import random_ids
+from engine_helpers import TINY_BLOCK, cold_greedy, run_greedy, tiny_llama_config
 from redis_server import StoreServer, free_port
 from test_engine import hf_greedy
 
@@ -27,13 +27,8 @@ RNG = random.Random(11)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks of 4
 
 
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
-PROMPTS = {"a": SHARED + tail(7, 1), "b": SHARED + tail(5, 2), "c": SHARED[:22] + tail(9, 3)}
-OTHERS = [tail(17, 100 + i) for i in range(4)]
+PROMPTS = {"a": SHARED + random_ids(7, 1), "b": SHARED + random_ids(5, 2), "c": SHARED[:22] + random_ids(9, 3)}
+OTHERS = [random_ids(17, 100 + i) for i in range(4)]
 
 
 def remote_engine(checkpoint: Path, url: str, **kv: object) -> Engine:
@@ -43,55 +38,44 @@ def remote_engine(checkpoint: Path, url: str, **kv: object) -> Engine:
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
     """Greedy tokens of a cold engine (no prefix caching) for every prompt used here."""
-    engine = Engine(tiny_llama_config(llama_checkpoint, 64, enable_prefix_caching=False))
-    prompts = {**PROMPTS, **{f"o{i}": p for i, p in enumerate(OTHERS)}}
-    return {name: run_greedy(engine, prompt, NUM_NEW)[0] for name, prompt in prompts.items()}
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StoreServer]:
-    server = StoreServer(tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
+    return cold_greedy(llama_checkpoint, {**PROMPTS, **{f"o{i}": p for i, p in enumerate(OTHERS)}}, NUM_NEW)
 
 
 def test_second_engine_serves_the_first_engines_prefix_from_the_store(
-    llama_checkpoint: Path, reference: dict, store: StoreServer
+    llama_checkpoint: Path, reference: dict, store_server: StoreServer
 ) -> None:
     assert reference["b"] == hf_greedy(llama_checkpoint, PROMPTS["b"], NUM_NEW)
-    first = remote_engine(llama_checkpoint, store.url)
+    first = remote_engine(llama_checkpoint, store_server.url)
     assert run_greedy(first, PROMPTS["a"], NUM_NEW) == (reference["a"], 0)
     assert first.kv_publisher is not None
     first.kv_publisher.drain()  # NOTE: the publisher writes from its own thread
     first_stats = first.kv_tier_stats().remote
     assert first_stats is not None and first_stats.published >= 10, "computed blocks are written after the step"
 
-    second = remote_engine(llama_checkpoint, store.url)  # another replica: nothing on its device
+    second = remote_engine(llama_checkpoint, store_server.url)  # another replica: nothing on its device
     assert run_greedy(second, PROMPTS["b"], NUM_NEW) == (reference["b"], 40)
-    later = remote_engine(llama_checkpoint, store.url, host_kv_cache_memory=1 << 20)  # started later, with host
+    later = remote_engine(llama_checkpoint, store_server.url, host_kv_cache_memory=1 << 20)  # started later, with host
     assert run_greedy(later, PROMPTS["c"], NUM_NEW) == (reference["c"], 20)
     stats = second.kv_tier_stats()
     assert stats.remote is not None and stats.remote.hits >= 10 and stats.remote.skipped == 0
     assert stats.restored.blocks >= 10
-    keys = store.client().keys("kvpager:v1:*")
+    keys = store_server.client().keys("kvpager:v1:*")
     assert len(keys) >= 10 and all(
         k.startswith(b"kvpager:v1:" + first.loaded.fingerprint.hex()[:16].encode()) for k in keys
     )
 
 
 def test_bad_records_in_the_store_are_deleted_and_never_loaded(
-    llama_checkpoint: Path, reference: dict, store: StoreServer, caplog: pytest.LogCaptureFixture
+    llama_checkpoint: Path, reference: dict, store_server: StoreServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    writer = remote_engine(llama_checkpoint, store.url)
+    writer = remote_engine(llama_checkpoint, store_server.url)
     for prompt in OTHERS[:3]:
         run_greedy(writer, prompt, NUM_NEW)
     assert writer.kv_publisher is not None
     writer.kv_publisher.drain()
     remote = writer.kv_store.tiers.remote if writer.kv_store is not None else None
     assert remote is not None
-    client = store.client()
+    client = store_server.client()
     keys = [remote.key(hash_prompt_blocks(writer.kv_manager.hash_seed, p, TINY_BLOCK)[0]) for p in OTHERS[:3]]
     flipped = bytearray(client.get(keys[0]))
     flipped[len(flipped) // 2] ^= 0xFF
@@ -99,7 +83,7 @@ def test_bad_records_in_the_store_are_deleted_and_never_loaded(
     client.set(keys[1], client.get(keys[1])[:-40])
     client.set(keys[2], client.get(keys[0]))  # a valid-looking record of another block
 
-    reader = remote_engine(llama_checkpoint, store.url)
+    reader = remote_engine(llama_checkpoint, store_server.url)
     with caplog.at_level(logging.WARNING, logger="kvpager.kvstore.remote"):
         for i, prompt in enumerate(OTHERS[:3]):
             assert run_greedy(reader, prompt, NUM_NEW) == (reference[f"o{i}"], 0)
@@ -108,14 +92,14 @@ def test_bad_records_in_the_store_are_deleted_and_never_loaded(
     reasons = " ".join(r.getMessage() for r in caplog.records)
     assert "checksum" in reasons and "truncated" in reasons
     # NOTE: the reader deleted the bad ones, then wrote its own recomputed (good) blocks back.
-    fresh = remote_engine(llama_checkpoint, store.url)
+    fresh = remote_engine(llama_checkpoint, store_server.url)
     assert run_greedy(fresh, OTHERS[0], NUM_NEW) == (reference["o0"], 16)
 
 
 def test_killing_the_store_mid_run_loses_no_request(
-    llama_checkpoint: Path, reference: dict, store: StoreServer, caplog: pytest.LogCaptureFixture
+    llama_checkpoint: Path, reference: dict, store_server: StoreServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = remote_engine(llama_checkpoint, store.url, kv_cache_remote_timeout=0.3)
+    engine = remote_engine(llama_checkpoint, store_server.url, kv_cache_remote_timeout=0.3)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     names = ["a", "o0", "o1", "o2"]
     for name in names:
@@ -124,7 +108,7 @@ def test_killing_the_store_mid_run_loses_no_request(
     with caplog.at_level(logging.WARNING, logger="kvpager.kvstore.remote"):
         for step in range(200):
             if step == 2:
-                store.kill()
+                store_server.kill()
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out.outputs[0].token_ids
@@ -132,7 +116,7 @@ def test_killing_the_store_mid_run_loses_no_request(
                 break
         assert finished == {name: reference[name] for name in names}
         start = time.monotonic()
-        cold = remote_engine(llama_checkpoint, store.url, kv_cache_remote_timeout=0.3)  # the store is gone
+        cold = remote_engine(llama_checkpoint, store_server.url, kv_cache_remote_timeout=0.3)  # the store is gone
         assert run_greedy(cold, PROMPTS["b"], NUM_NEW) == (reference["b"], 0)
         assert time.monotonic() - start < 10
     assert any("prefixes are recomputed" in r.getMessage() for r in caplog.records)
@@ -176,14 +160,14 @@ def test_the_store_comes_back_after_the_retry_interval(llama_checkpoint: Path, r
         server.stop()
 
 
-def test_the_eviction_policy_is_checked(store: StoreServer) -> None:
+def test_the_eviction_policy_is_checked(store_server: StoreServer) -> None:
     from kvpager.kvstore.codec import get_codec
 
-    tier = RemoteTier.from_url(store.url, b"\x01" * 32, get_codec("lossless"))
+    tier = RemoteTier.from_url(store_server.url, b"\x01" * 32, get_codec("lossless"))
     assert tier.check_eviction_policy() is None  # maxmemory 64mb + allkeys-lru
-    store.client().config_set("maxmemory-policy", "noeviction")
+    store_server.client().config_set("maxmemory-policy", "noeviction")
     assert "noeviction" in (tier.check_eviction_policy() or "")
-    store.client().config_set("maxmemory", 0)
+    store_server.client().config_set("maxmemory", 0)
     assert "without bound" in (tier.check_eviction_policy() or "")
 
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from engine_helpers import run_greedy, tiny_llama_config
 from redis_server import DelayProxy, StoreServer
@@ -25,29 +23,20 @@ DELAY_S = 0.2
 LONG_TOKENS = 30
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StoreServer]:
-    server = StoreServer(tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def test_a_slow_store_does_not_slow_the_decode_steps_of_other_requests(
     llama_checkpoint: Path,
     reference: dict,  # noqa: F811
-    store: StoreServer,
+    store_server: StoreServer,
 ) -> None:
     long_prompt = OTHERS[3]
     cold = Engine(tiny_llama_config(llama_checkpoint, 64, enable_prefix_caching=False))
     long_reference = run_greedy(cold, long_prompt, LONG_TOKENS)[0]
-    writer = remote_engine(llama_checkpoint, store.url)
+    writer = remote_engine(llama_checkpoint, store_server.url)
     assert run_greedy(writer, PROMPTS["a"], NUM_NEW) == (reference["a"], 0)
     assert writer.kv_publisher is not None
     writer.kv_publisher.drain()
 
-    proxy = DelayProxy(store.port, DELAY_S)
+    proxy = DelayProxy(store_server.port, DELAY_S)
     try:
         engine = Engine(tiny_llama_config(llama_checkpoint, 64, kv_cache_remote=proxy.url, kv_cache_remote_timeout=3))
         params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)

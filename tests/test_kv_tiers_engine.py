@@ -10,7 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
-from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, run_greedy, tiny_llama_config
+from checkpoints import random_ids
+from engine_helpers import TINY_BLOCK, TINY_BLOCK_BYTES, cold_greedy, run_greedy, tiny_llama_config
 
 from kvpager.core.config import KV_CODECS, EngineConfig
 from kvpager.core.hashing import hash_prompt_blocks
@@ -25,18 +26,13 @@ RNG = random.Random(7)
 SHARED = [RNG.randrange(3, 384) for _ in range(40)]  # 10 full blocks
 
 
-def tail(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
-
-
 PROMPTS = {
-    "a": SHARED + tail(7, 1),
-    "b": SHARED + tail(5, 2),  # same 10 blocks as "a"
-    "c": SHARED[:22] + tail(9, 3),  # shares 5 whole blocks and 2 tokens of the 6th
+    "a": SHARED + random_ids(7, 1),
+    "b": SHARED + random_ids(5, 2),  # same 10 blocks as "a"
+    "c": SHARED[:22] + random_ids(9, 3),  # shares 5 whole blocks and 2 tokens of the 6th
     "exact": SHARED,  # 40 tokens: at most 9 blocks may be reused (the last token is computed)
 }
-FILLERS = [tail(30, 100 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
+FILLERS = [random_ids(30, 100 + i) for i in range(6)]  # unrelated prompts that push "a" out of the pool
 
 
 def config(checkpoint: Path, num_blocks: int = 24, **kv: object) -> EngineConfig:
@@ -49,9 +45,7 @@ def greedy(engine: Engine, prompt: list[int], max_tokens: int = NUM_NEW) -> tupl
 
 @pytest.fixture(scope="module")
 def reference(llama_checkpoint: Path) -> dict[str, list[int]]:
-    engine = Engine(config(llama_checkpoint, num_blocks=64, enable_prefix_caching=False))
-    prompts = {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}
-    return {name: greedy(engine, prompt)[0] for name, prompt in prompts.items()}
+    return cold_greedy(llama_checkpoint, {**PROMPTS, **{f"f{i}": p for i, p in enumerate(FILLERS)}}, NUM_NEW)
 
 
 def run_fillers(engine: Engine, reference: dict[str, list[int]]) -> None:

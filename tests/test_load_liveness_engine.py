@@ -7,44 +7,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
-from engine_helpers import run_greedy, tiny_llama_config
-from test_kv_offload_engine import FILLERS, NUM_NEW, PROMPTS
+from held_tiers import NUM_NEW, PROMPTS
 
 from kvpager.core.invariants import check_scheduler
 from kvpager.core.request import RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.engine import Engine
-from kvpager.kvstore.tiers import KVTiers
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
-def engine_with_a_held_host_tier(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Engine, threading.Event]:
-    """An engine whose host tier holds PROMPTS["a"]'s prefix and answers lookups only once the event is set."""
-    host_answers = threading.Event()
-    original = KVTiers.lookup
-
-    def held_lookup(self: KVTiers, block_hash: Any, device: Any = "cpu") -> Any:
-        assert host_answers.wait(timeout=60), "the test never released the host tier"
-        return original(self, block_hash, device)
-
-    monkeypatch.setattr(KVTiers, "lookup", held_lookup)
-    engine = Engine(tiny_llama_config(checkpoint, 24, host_kv_cache_memory=1 << 20))
-    run_greedy(engine, PROMPTS["a"], NUM_NEW)
-    for prompt in FILLERS:  # push a's blocks out of the pool into the host tier
-        run_greedy(engine, prompt, NUM_NEW)
-    return engine, host_answers
-
-
 def test_aborting_the_only_request_during_its_load_frees_the_blocks_once_the_tier_answers(
-    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    held_host_tier: tuple[Engine, threading.Event],
 ) -> None:
-    engine, host_answers = engine_with_a_held_host_tier(llama_checkpoint, monkeypatch)
+    engine, host_answers = held_host_tier
     engine.add_request("b", PROMPTS["b"], GREEDY)
     engine.step()
     assert engine.scheduler.requests["b"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -60,9 +39,9 @@ def test_aborting_the_only_request_during_its_load_frees_the_blocks_once_the_tie
 
 @pytest.mark.slow
 def test_async_engine_settles_a_load_whose_stream_was_dropped_with_no_request_left(
-    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    held_host_tier: tuple[Engine, threading.Event],
 ) -> None:
-    engine, host_answers = engine_with_a_held_host_tier(llama_checkpoint, monkeypatch)
+    engine, host_answers = held_host_tier
     async_engine = AsyncEngine(engine)
     async_engine.start()
 

@@ -9,12 +9,12 @@ text of the server that computed it, with the reused blocks counted as cached pr
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from checkpoints import random_ids
 from fastapi.testclient import TestClient
 from server_harness import ServerProcess, launch_server, metric
 
@@ -34,11 +34,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON_LIMIT = 4096
 KV_LIMIT = 64 << 10
 MAX_TOKENS = 6
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 384) for _ in range(n)]
 
 
 def expected_cached(num_prompt_tokens: int) -> int:
@@ -91,7 +86,7 @@ def post_import(server: ServerProcess, payload: bytes, headers: dict[str, str] |
 def test_export_from_one_server_import_into_another_serves_cached_tokens(
     source: TestClient, target: ServerProcess
 ) -> None:
-    prompt = ids(42, 1)
+    prompt = random_ids(42, 1)
     exported = source.post("/v1/kv/export", json={"prompt_token_ids": prompt})
     assert exported.status_code == 200, exported.text
     assert exported.headers["content-type"] == "application/octet-stream"
@@ -127,7 +122,7 @@ def test_chat_messages_export_covers_the_chat_prompt(source: TestClient, target:
 
 def test_payload_of_another_model_is_refused_naming_the_mismatch(target: ServerProcess, qwen2_checkpoint: Path) -> None:
     other = Engine(EngineConfig(model=str(qwen2_checkpoint), block_size=BLOCK, kv_cache_memory=1 << 20))
-    resp = post_import(target, other.export_kv(ids(20, 2)))
+    resp = post_import(target, other.export_kv(random_ids(20, 2)))
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_kv_payload"
@@ -144,7 +139,7 @@ def test_oversize_import_is_413_naming_the_flag(target: ServerProcess) -> None:
 
 
 def test_corrupted_or_truncated_payload_is_refused(source: TestClient, target: ServerProcess) -> None:
-    payload = source.post("/v1/kv/export", json={"prompt_token_ids": ids(24, 3)}).content
+    payload = source.post("/v1/kv/export", json={"prompt_token_ids": random_ids(24, 3)}).content
     flipped = bytearray(payload)
     flipped[-100] ^= 0x01
     resp = post_import(target, bytes(flipped))
@@ -155,8 +150,8 @@ def test_corrupted_or_truncated_payload_is_refused(source: TestClient, target: S
 
 
 def test_api_key_guards_both_kv_endpoints(source: TestClient, target: ServerProcess) -> None:
-    payload = source.post("/v1/kv/export", json={"prompt_token_ids": ids(8, 4)}).content
-    export = httpx.post(f"{target.url}/v1/kv/export", json={"prompt_token_ids": ids(8, 4)}, timeout=30)
+    payload = source.post("/v1/kv/export", json={"prompt_token_ids": random_ids(8, 4)}).content
+    export = httpx.post(f"{target.url}/v1/kv/export", json={"prompt_token_ids": random_ids(8, 4)}, timeout=30)
     assert export.status_code == 401 and export.json()["error"]["code"] == "invalid_api_key"
     assert post_import(target, payload, headers={}).status_code == 401
     wrong = post_import(target, payload, headers={"Authorization": "Bearer nope"})
@@ -168,12 +163,12 @@ def test_export_validates_its_input(source: TestClient) -> None:
     assert short.status_code == 400 and "fewer than one KV block of 4" in short.text
     both = source.post("/v1/kv/export", json={"prompt": "hi there", "prompt_token_ids": [5, 6, 7, 8]})
     assert both.status_code == 400 and "exactly one of" in both.text
-    codec = source.post("/v1/kv/export", json={"prompt_token_ids": ids(8, 5), "codec": "int3"})
+    codec = source.post("/v1/kv/export", json={"prompt_token_ids": random_ids(8, 5), "codec": "int3"})
     assert codec.status_code == 400 and "codec must be one of" in codec.text
     vocab = source.post("/v1/kv/export", json={"prompt_token_ids": [1000] * 8})
     assert vocab.status_code == 400 and "outside the vocabulary" in vocab.text
-    lossless = source.post("/v1/kv/export", json={"prompt_token_ids": ids(32, 6)})
-    int8 = source.post("/v1/kv/export", json={"prompt_token_ids": ids(32, 6), "codec": "int8"})
+    lossless = source.post("/v1/kv/export", json={"prompt_token_ids": random_ids(32, 6)})
+    int8 = source.post("/v1/kv/export", json={"prompt_token_ids": random_ids(32, 6), "codec": "int8"})
     assert int8.status_code == 200 and len(int8.content) < len(lossless.content) / 2
 
 
@@ -181,7 +176,7 @@ def test_restarted_server_serves_a_seen_prefix_from_disk(
     target: ServerProcess, llama_checkpoint: Path, kv_dir: Path, tmp_path: Path
 ) -> None:
     """Runs last: it stops the module's target server (SIGTERM flushes its cache to disk)."""
-    prompt = ids(50, 7)
+    prompt = random_ids(50, 7)
     with httpx.Client(timeout=60) as client:
         first = completion(client, target.url, prompt, **AUTH)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from held_tiers import hold_disk_writes
 
 from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.codec import get_codec
@@ -307,18 +308,9 @@ class PoolIO:
 def test_offload_store_copies_out_at_once_and_drops_writes_beyond_its_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
     from kvpager.kvstore.offload import TieredBlockStore
 
-    disk_answers = threading.Event()
-    original = DiskTier._write_atomic
-
-    def stuck_write(self: DiskTier, path: Path, data: bytes) -> None:
-        assert disk_answers.wait(timeout=60)
-        original(self, path, data)
-
-    monkeypatch.setattr(DiskTier, "_write_atomic", stuck_write)
+    disk_answers, _ = hold_disk_writes(monkeypatch)
     io = PoolIO()
     want = [io.read_block(i).clone() for i in range(5)]
     store = TieredBlockStore(KVTiers(None, disk(tmp_path)), io, max_pending_writes=2)

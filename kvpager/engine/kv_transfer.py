@@ -22,7 +22,8 @@ import torch
 
 from kvpager.core.hashing import BlockHash, hash_prompt_blocks
 from kvpager.core.kv_cache_manager import KVCacheManager
-from kvpager.kvstore.offload import BlockIO, MoveCounters, TieredBlockStore
+from kvpager.kvstore.block_io import BlockIO
+from kvpager.kvstore.offload import MoveCounters, TieredBlockStore
 from kvpager.kvstore.pack import (
     Pack,
     PackExpectation,

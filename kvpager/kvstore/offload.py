@@ -29,12 +29,13 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
+from kvpager.kvstore.block_io import BlockIO, host_copy
 from kvpager.kvstore.codec import get_codec
 from kvpager.kvstore.remote import RemoteTier
 from kvpager.kvstore.tier_stats import KVTierStats, MoveCounters
@@ -68,14 +69,6 @@ def run_worker(
         except Exception:  # NOTE: a failed job loses its work, never the thread (drain() must end)
             logger.exception("KV tiers: background %s failed", step)
         del store
-
-
-class BlockIO(Protocol):
-    """Reads and writes one block of the device KV pool (the `ModelRunner`)."""
-
-    def read_block(self, block_id: int) -> torch.Tensor: ...
-
-    def write_block(self, block_id: int, block: torch.Tensor) -> None: ...
 
 
 def build_tiers(config: EngineConfig, fingerprint: bytes) -> KVTiers | None:
@@ -186,7 +179,7 @@ class TieredBlockStore:
                 self._copies.append((block_id, block_hash))
                 self._cond.notify_all()
         if closed:  # NOTE: after close() (e.g. a step after shutdown), inline
-            self._store(block_hash, self.io.read_block(block_id).to("cpu", copy=True), time.perf_counter())
+            self._store(block_hash, host_copy(self.io, block_id), time.perf_counter())
 
     def wait_for_copies(self) -> None:
         """Return once every queued copy-out has read its block (device-to-host copies, never disk I/O).
@@ -299,7 +292,7 @@ class TieredBlockStore:
         start = time.perf_counter()
         block: torch.Tensor | None = None
         try:
-            block = self.io.read_block(block_id).to("cpu", copy=True)
+            block = host_copy(self.io, block_id)
         except Exception:  # NOTE: lose this cache entry; never leave wait_for_copies() hanging
             logger.exception("KV tiers: could not copy out block %d", block_id)
         with self._cond:

@@ -15,25 +15,19 @@ import logging
 import threading
 import weakref
 from collections import deque
-from typing import Protocol
 
 import torch
 
 from kvpager.core.block_pool import BlockPool
 from kvpager.core.hashing import BlockHash
 from kvpager.core.kv_events import BlockStored, KVEvent
+from kvpager.kvstore.block_io import BlockReader, host_copy
 from kvpager.kvstore.offload import run_worker
 from kvpager.kvstore.remote import RemoteTier
 
 logger = logging.getLogger("kvpager.kvstore.remote")
 
 DEFAULT_MAX_PENDING = 1024  # copied blocks waiting for the publisher thread
-
-
-class BlockReader(Protocol):
-    """What the publisher reads device blocks with (the `ModelRunner`)."""
-
-    def read_block(self, block_id: int) -> torch.Tensor: ...
 
 
 class RemotePublisher:
@@ -75,7 +69,7 @@ class RemotePublisher:
         if not announced or not self.remote.available:
             return 0
         copies = [
-            (block_hash, self.io.read_block(block_id).to("cpu", copy=True))
+            (block_hash, host_copy(self.io, block_id))
             for block_hash, block_id in announced
             if not self.remote.knows(block_hash) and self.pool.get_cached_block(block_hash) == block_id
         ]

@@ -25,11 +25,11 @@ LAYER_TABLE_ADDRESSES = 12  # addresses per layer; then the four weights' layout
 Sym = Mapping[str, int]
 
 
-def _kv_format_check(cache: str) -> tuple[str, Callable[[Mapping[str, torch.Tensor], Sym], bool]]:
+def _kv_format_check(cache: str) -> tuple[str, Callable[[Mapping[str, torch.dtype], Sym], bool]]:
     """kv_format (the caller's) names the dtype of the `cache` tensor: the kernel reads its elements so."""
     return (
         f"kv_format is the {cache} tensor's dtype (0 float32, 1 bfloat16, 2 float16)",
-        lambda t, s: KV_FORMATS[t[cache].dtype] == s["kv_format"],
+        lambda dtypes, s: KV_FORMATS[dtypes[cache]] == s["kv_format"],
     )
 
 
@@ -77,6 +77,20 @@ SPECS: tuple[KernelSpec, ...] = (
         "kvp_check_range",
         (("values", Tensor(I64, ("n",))), ("n", Int("n")), ("lo", Int()), ("hi", Int())),
         returns="int64_t",
+    ),
+    KernelSpec(  # the binding's own call (fastcall.py); the lengths inside `limits` are not checked
+        "kvp_check_ranges",
+        (
+            ("limits", Tensor(I64, ("num_limits",))),
+            *((f"v{i}", Tensor(I64, (f"n{i}",), optional=True)) for i in range(4)),
+        ),
+        returns="int64_t",
+        checks=(
+            (
+                "limits holds a count, then (n, lo, hi) per array",
+                lambda s: s["num_limits"] >= 1 and (s["num_limits"] - 1) % 3 == 0,
+            ),
+        ),
     ),
     KernelSpec(
         "kvp_linear_small",
@@ -178,7 +192,7 @@ SPECS: tuple[KernelSpec, ...] = (
                 ),
             ),
         ),
-        tensor_checks=(_kv_format_check("k_cache"),),
+        dtype_checks=(_kv_format_check("k_cache"),),
     ),
     KernelSpec(
         "kvp_paged_decode",
@@ -201,7 +215,7 @@ SPECS: tuple[KernelSpec, ...] = (
             ("kv_format", Int()),
         ),
         checks=(_GQA, _PARTITION),
-        tensor_checks=(_kv_format_check("k_cache"),),
+        dtype_checks=(_kv_format_check("k_cache"),),
     ),
     KernelSpec(
         "kvp_prefill_attention",
@@ -225,8 +239,8 @@ SPECS: tuple[KernelSpec, ...] = (
         ),
         returns="int64_t",
         checks=(_GQA, ("window >= 0", lambda s: s["window"] >= 0)),
+        dtype_checks=(_kv_format_check("k_cache"),),
         tensor_checks=(
-            _kv_format_check("k_cache"),
             (
                 "each chunk's tokens lie in q and its queries in its context",
                 lambda t, s: bool(
@@ -287,8 +301,8 @@ SPECS: tuple[KernelSpec, ...] = (
                 ),
             ),
         ),
+        dtype_checks=(_kv_format_check("kv_cache"),),
         tensor_checks=(
-            _kv_format_check("kv_cache"),
             (
                 "a packed 16-bit weight in the layer table needs packed_linear (kvq_linear's address)",
                 lambda t, s: s["packed_linear"] != 0 or bool((t["layers"][:, LAYER_TABLE_ADDRESSES:] >= 0).all()),

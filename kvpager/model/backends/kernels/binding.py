@@ -15,7 +15,8 @@ optionally the range its values must lie in) or a scalar (`Int`, `Float`). From 
   and their result is cached under it; index values are checked on every call.
 
 What is not checked: the addresses inside kvp_decode_layers' layer table (built by
-kvpager.model.backends.ops from checked tensors).
+kvpager.model.backends.fused_stack from checked tensors), and the array lengths inside kvp_check_ranges'
+limits (the binding's own call, built from checked tensors: fastcall.Entry).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvpager.model.backends.kernels.fastcall import Bounds, CallLayout, Entry, Kind, fast_methods
+from kvpager.model.backends.kernels.fastcall import RANGES_PER_CALL, Bounds, CallLayout, Entry, Kind, fast_methods
 
 # A dimension: a fixed size or a symbol bound by the first tensor that has it.
 Dim = int | str
@@ -91,7 +92,12 @@ class KernelSpec:
     params: tuple[tuple[str, Param], ...]
     returns: str = "void"  # "void" or "int64_t"
     checks: tuple[tuple[str, Callable[[Mapping[str, int]], bool]], ...] = ()
-    # relations between index tensors' values (each a message and a predicate over tensors, symbols)
+    # relations between the tensors' dtypes and the symbols (each a message and a predicate over
+    # {name: dtype} of the tensors passed, symbols): a call's signature holds both, so like `checks`
+    # they run once per signature
+    dtype_checks: tuple[tuple[str, Callable[[Mapping[str, torch.dtype], Mapping[str, int]], bool]], ...] = ()
+    # relations between index tensors' values (each a message and a predicate over tensors, symbols),
+    # checked on every call
     tensor_checks: tuple[tuple[str, Callable[[Mapping[str, torch.Tensor], Mapping[str, int]], bool]], ...] = ()
 
 
@@ -150,7 +156,8 @@ class KernelFunction:
     each int's value, each float's type) runs every check (`checked`); when they pass, what they
     derived (sizes, strides, the index bounds) is cached under that signature, so a later call
     with the same signature only builds the signature, reads the data pointers and checks the
-    index values (`kvp_check_range`, `tensor_checks`), which differ from call to call. A call whose
+    index values (`kvp_check_ranges`: all index tensors in one C call; `tensor_checks`), which
+    differ from call to call; `checks` and `dtype_checks` read only what the signature holds. A call whose
     signature differs in anything (another shape, a strided view, a non-CPU tensor) misses the
     cache and is checked in full; on a failure `_check_tensor` runs again to say what is wrong.
     The cached path is a `__call__` generated per kernel (fastcall.py)."""
@@ -166,10 +173,17 @@ class KernelFunction:
         self._fn = getattr(lib, spec.name)
         self._fn.argtypes = [_ctypes_arg(p) for _, p in spec.params]
         self._fn.restype = ctypes.c_int64 if spec.returns == "int64_t" else None
+        # The index checks run with the GIL held (PyDLL, not CDLL): they read a few values, less work
+        # than giving the GIL up and taking it back, which another Python thread could hold meanwhile.
+        checks = ctypes.PyDLL(lib._name, handle=lib._handle)
         # kvp_check_range(values, n, lo, hi): how many of n int64 values lie outside [lo, hi)
-        self._range = lib.kvp_check_range
+        self._range = checks.kvp_check_range
         self._range.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         self._range.restype = ctypes.c_int64
+        # kvp_check_ranges(limits, v0, v1, v2, v3): which of up to four index arrays leave their range
+        self._ranges = checks.kvp_check_ranges
+        self._ranges.argtypes = [ctypes.c_void_p] * (1 + RANGES_PER_CALL)
+        self._ranges.restype = ctypes.c_int64
         self._tensors = [(name, p) for name, p in spec.params if isinstance(p, Tensor)]
         self._plan = [
             (
@@ -272,7 +286,7 @@ class KernelFunction:
         for message, holds in self.spec.checks:
             if not holds(sym):
                 raise self._fail(f"{message} (sizes {sym})")
-        bounds: list[tuple[int, int, int] | None] = []
+        bounds: list[Bounds | None] = []
         for name, (lo_of, hi_of) in self._bounded:
             t = kwargs[name]
             if t is None:
@@ -281,6 +295,11 @@ class KernelFunction:
             bounds.append(limits := (t.numel(), lo_of(sym), hi_of(sym)))
             if self._range(values[name], *limits):
                 self._raise_out_of_range(name, limits, t)
+        if self.spec.dtype_checks:
+            dtypes_passed = {name: t.dtype for name, _ in self._tensors if (t := kwargs.get(name)) is not None}
+            for message, holds_for in self.spec.dtype_checks:
+                if not holds_for(dtypes_passed, sym):
+                    raise self._fail(message)
         self._check_tensor_values(kwargs, sym)
         if cache:
             self._remember(kwargs, Entry.of((values[name] for name in self._ints), bounds, sym))
@@ -350,7 +369,17 @@ class KernelFunction:
             raise self._fail(f"{name} must have contiguous rows, got shape {list(t.shape)}, strides {t.stride()}")
         sym[p.row_stride] = stride
 
-    def _raise_out_of_range(self, name: str, bounds: Bounds | tuple[int, int, int], t: torch.Tensor) -> None:
-        lo, hi = (b if isinstance(b, int) else b.value for b in bounds[1:])
+    def _raise_first_out_of_range(
+        self, failed: int, bounds: tuple[Bounds | None, ...], named: tuple[tuple[str, torch.Tensor | None], ...]
+    ) -> None:
+        """Raise for the first of `named` whose bit `failed` (kvp_check_ranges' result) sets."""
+        first = (failed & -failed).bit_length() - 1
+        name, t = named[first]
+        limits = bounds[first]
+        assert t is not None and limits is not None  # NOTE: an absent tensor is never out of range
+        self._raise_out_of_range(name, limits, t)
+
+    def _raise_out_of_range(self, name: str, bounds: Bounds, t: torch.Tensor) -> None:
+        lo, hi = bounds[1:]
         low, high = torch.aminmax(t)
         raise self._fail(f"{name} values must lie in [{lo}, {hi}), got [{int(low)}, {int(high)}]")

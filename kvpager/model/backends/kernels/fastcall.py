@@ -10,11 +10,14 @@ the same sizes and strides, so after one full check (`_checked`) the binding cac
 
 The generated `__call__` takes the kernel's parameters as keyword-only arguments, looks their
 signature up (first in `_last`, the last signature found and its entry, one tuple replaced whole so
-threads never see a signature with another's entry; comparing is cheaper than hashing) and, on a hit, checks each bounded index tensor's values (`kvp_check_range` over the
-data passed this time) and the spec's tensor checks, then calls the C function with the data
-pointers, the cached ints and the caller's floats in C order. Anything else (a miss, a missing or
-unknown argument, a value that is not a tensor) goes to the full check. For kvp_rms_norm (x,
-x_stride, w, out, out_stride, rows, dim, eps):
+threads never see a signature with another's entry; comparing is cheaper than hashing) and, on a
+hit, checks the bounded index tensors' values over the data passed this time (one
+`kvp_check_ranges` call for each group of up to four, with the entry's (n, lo, hi) of each: one C
+call, not one per tensor; the lowest bit set in its result names the first tensor out of range,
+the one the full checks name) and the spec's tensor checks, then calls the C function with the
+data pointers, the cached ints and the caller's floats in C order. Anything else (a miss, a
+missing or unknown argument, a value that is not a tensor) goes to the full check. For
+kvp_rms_norm (x, x_stride, w, out, out_stride, rows, dim, eps; no index tensors):
 
     def __call__(_self, *, x=_MISSING, w=_MISSING, out=_MISSING, eps=_MISSING, **_extra):
         try:
@@ -47,7 +50,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["tensor", "int", "derived", "float"]
-Bounds = tuple[ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+Bounds = tuple[int, int, int]  # a bounded tensor's (element count, lo, hi)
+RANGES_PER_CALL = 4  # index arrays one kvp_check_ranges call checks
 _CAUGHT = (KeyError, AttributeError, TypeError, RuntimeError)
 
 
@@ -63,22 +67,28 @@ _MISSING = _Missing()
 class Entry:
     """What the full checks derived for one signature: the values of the kernel's int parameters in
     C order (the caller's and the derived sizes and strides), each bounded tensor's (element count,
-    lo, hi) in declaration order (None where an optional one is absent), and the bound symbols (for
-    the spec's tensor checks). The ints are ctypes objects, made once: ctypes passes them as they
-    are, where it would convert a Python int on every call."""
+    lo, hi) in declaration order (None where an optional one is absent), the `kvp_check_ranges`
+    limits of each group of up to four bounded tensors (the address of {count, (n, lo, hi)...}; an
+    absent tensor checks 0 values), and the bound symbols (for the spec's tensor checks). The ints
+    and addresses are ctypes objects, made once: ctypes passes them as they are, where it would
+    convert a Python int on every call."""
 
     ints: tuple[ctypes.c_int64, ...]
     bounds: tuple[Bounds | None, ...]
+    ranges: tuple[ctypes.c_void_p, ...]
     sym: Mapping[str, int]
+    limits: tuple[ctypes.Array[ctypes.c_int64], ...]  # the memory `ranges` points to, kept alive here
 
     @classmethod
-    def of(cls, ints: Iterable[int], bounds: Iterable[tuple[int, int, int] | None], sym: Mapping[str, int]) -> Entry:
-        c = ctypes.c_int64
-        return cls(
-            tuple(c(v) for v in ints),
-            tuple(None if b is None else (c(b[0]), c(b[1]), c(b[2])) for b in bounds),
-            sym,
-        )
+    def of(cls, ints: Iterable[int], bounds: Iterable[Bounds | None], sym: Mapping[str, int]) -> Entry:
+        bounds = tuple(bounds)
+        limits = []
+        for start in range(0, len(bounds), RANGES_PER_CALL):
+            group = bounds[start : start + RANGES_PER_CALL]
+            flat = [len(group)] + [v for b in group for v in (b if b is not None else (0, 0, 0))]
+            limits.append((ctypes.c_int64 * len(flat))(*flat))
+        ranges = tuple(ctypes.c_void_p(ctypes.addressof(a)) for a in limits)
+        return cls(tuple(ctypes.c_int64(v) for v in ints), bounds, ranges, sym, tuple(limits))
 
 
 @dataclass(frozen=True)
@@ -147,11 +157,13 @@ def method_source(layout: CallLayout) -> str:
         "    _n = _e.ints",
     ]
     if layout.bounded:
-        lines.append("    _b = _e.bounds")
-    for i, n in enumerate(layout.bounded):
-        test = f"_self._range(_p_{n}, *_b[{i}])"
-        lines.append(f"    if {f'_p_{n} is not None and ' if n in layout.optional else ''}{test}:")
-        lines.append(f"        _self._raise_out_of_range({n!r}, _b[{i}], {n})")
+        lines.append("    _r = _e.ranges")
+    for group, start in enumerate(range(0, len(layout.bounded), RANGES_PER_CALL)):
+        names = layout.bounded[start : start + RANGES_PER_CALL]
+        pointers = [f"_p_{n}" for n in names] + ["None"] * (RANGES_PER_CALL - len(names))
+        pairs = "(" + "".join(f"({n!r}, {n}), " for n in names) + ")"
+        lines.append(f"    if _bad := _self._ranges(_r[{group}], {', '.join(pointers)}):")
+        lines.append(f"        _self._raise_first_out_of_range(_bad, _e.bounds[{start}:], {pairs})")
     if layout.tensor_checks:
         lines.append(f"    _self._check_tensor_values({named}, _e.sym)")
     args, ints = [], 0
@@ -172,7 +184,7 @@ def method_source(layout: CallLayout) -> str:
 
 def fast_methods(layout: CallLayout) -> dict[str, Callable[..., Any]]:
     """`layout`'s generated `__call__` and `_signature`, for a subclass of KernelFunction (which
-    provides `_cache`, `_last`, `_fn`, `_range`, `_checked`, `_raise_out_of_range`,
+    provides `_cache`, `_last`, `_fn`, `_ranges`, `_checked`, `_raise_first_out_of_range`,
     `_check_tensor_values`)."""
     namespace: dict[str, Any] = {"_MISSING": _MISSING, "_CAUGHT": _CAUGHT, "_passed": _passed}
     exec(compile(method_source(layout), f"<checked call of {layout.name}>", "exec"), namespace)  # noqa: S102

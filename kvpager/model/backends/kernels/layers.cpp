@@ -108,6 +108,22 @@ int64_t kvp_check_range(const int64_t* values, int64_t n, int64_t lo, int64_t hi
   return bad;
 }
 
+// Which of up to four index arrays hold a value outside their range, in one call: limits is
+// {count, then (n, lo, hi) for each of the count <= 4 arrays v0..v3}; bit i of the result is set
+// when values v_i[0..n_i) leave [lo_i, hi_i). A null array (an absent optional tensor) is skipped.
+// The binding checks all of a kernel's index tensors with it before each cached call.
+int64_t kvp_check_ranges(const int64_t* limits, const int64_t* v0, const int64_t* v1, const int64_t* v2,
+                         const int64_t* v3) {
+  const int64_t* values[4] = {v0, v1, v2, v3};
+  const int64_t count = limits[0] < 4 ? limits[0] : 4;
+  int64_t failed = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* lim = limits + 1 + 3 * i;
+    if (values[i] != nullptr && kvp_check_range(values[i], lim[0], lim[1], lim[2]) != 0) failed |= int64_t{1} << i;
+  }
+  return failed;
+}
+
 // The instruction set the library was compiled for: 2 AVX-512, 1 AVX2 with FMA, 0 neither (the
 // portable branches, vectorised by the compiler for whatever the target has).
 int64_t kvp_isa() {
