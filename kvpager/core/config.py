@@ -63,6 +63,8 @@ class EngineConfig:
     dtype: str = "auto"  # compute dtype; "auto": the checkpoint's torch_dtype (resolve_dtype)
     quantization: str | None = None  # None | QUANTIZATIONS (weights quantized at load, round-to-nearest)
     quantization_group_size: int | None = None  # None: int8 per output channel, int4 groups of 128
+    # GGUF only: the file's Q8_0 / Q4_0 / Q4_K blocks times activations quantized to int8 per block of 32
+    gguf_int8_activations: bool = False
     kv_cache_dtype: str = "auto"  # "auto": same as dtype
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
@@ -119,6 +121,11 @@ class EngineConfig:
             group is None or self.quantization not in DYNAMIC_ACTIVATION_QUANTIZATIONS or group % ACTIVATION_BLOCK == 0,
             f"{self.quantization} quantization_group_size must be a multiple of {ACTIVATION_BLOCK} (its activation "
             f"block; e.g. 32, 64, 128), got {group}",
+        )
+        _check(
+            not (self.gguf_int8_activations and self.quantization is not None),
+            "--gguf-int8-activations computes with the GGUF file's own blocks; it cannot be combined with "
+            "--quantization (which requantizes them)",
         )
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -165,6 +165,13 @@ def add_weight_format_args(g: argparse._ActionsContainer) -> None:
         help="input features per scale: int4 default 128 (a multiple of 16; of 32 for w4a8_int8); int8 default: "
         "per output channel",
     )
+    g.add_argument(
+        "--gguf-int8-activations",
+        action="store_true",
+        help="GGUF files: multiply the file's Q8_0 / Q4_0 / Q4_K blocks with activations quantized to int8 per "
+        "block of 32 (llama.cpp's arithmetic: integer dot products, faster, not exact; docs/precision.md); "
+        "other tensor types stay exact",
+    )
 
 
 def add_kv_storage_args(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        gguf_int8_activations=args.gguf_int8_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,

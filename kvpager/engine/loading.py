@@ -118,6 +118,7 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         quantization=config.quantization,
         quantization_group_size=config.resolved_quantization_group_size,
         parallel=parallel,
+        gguf_int8_activations=config.gguf_int8_activations,
     )
     model.eval()
     log_weight_format(config, spec, device)

@@ -24,19 +24,29 @@ import numpy as np
 import torch
 
 from kvpager.gguf.blocks import BlockCodes
+from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
 
+# ggml types whose blocks (groups of 32) the integer-dot kernels read: --gguf-int8-activations
+INT8_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_K")
 
-def packed_from_blocks(blocks: BlockCodes, type_name: str) -> PackedWeight:
-    """The packed weight holding exactly `blocks`' values (see the module docstring per type)."""
+
+def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: bool = False) -> PackedWeight:
+    """The packed weight holding exactly `blocks`' values (see the module docstring per type).
+
+    int8_activations (types in INT8_DOT_TYPES only): the same codes and scales in the integer-dot
+    classes, which quantize activations to int8 per block of 32 (llama.cpp's arithmetic, not exact).
+    """
+    if int8_activations and type_name not in INT8_DOT_TYPES:
+        raise ValueError(f"{type_name} has no int8-activation form (only {', '.join(INT8_DOT_TYPES)})")
     codes = torch.from_numpy(np.ascontiguousarray(blocks.codes))
     scales = torch.from_numpy(np.ascontiguousarray(blocks.scales))
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
-        return Int4Weight.from_codes(
-            codes, scales, torch.from_numpy(np.ascontiguousarray(blocks.offsets)), blocks.group
-        )
-    inner = Int8Weight(codes.to(torch.int8), scales, blocks.group)
+        int4 = Int4DotWeight if int8_activations else Int4Weight
+        return int4.from_codes(codes, scales, torch.from_numpy(np.ascontiguousarray(blocks.offsets)), blocks.group)
+    int8 = Int8DotWeight if int8_activations else Int8Weight
+    inner = int8(codes.to(torch.int8), scales, blocks.group)
     if blocks.offsets is None:
         return inner
     return AffineInt8Weight(inner, torch.from_numpy(np.ascontiguousarray(blocks.offsets)))

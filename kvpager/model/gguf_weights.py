@@ -34,7 +34,7 @@ from kvpager.gguf.executed import (
 )
 from kvpager.gguf.reader import GGUFError, GGUFModel, GGUFTensor
 from kvpager.model.backends.quant_weights import PackedWeight
-from kvpager.model.gguf_packed import packed_from_blocks
+from kvpager.model.gguf_packed import INT8_DOT_TYPES, packed_from_blocks
 from kvpager.model.spec import ModelSpec
 
 # Tensors the config already consumed (the rope divisors become the spec's rope scaling).
@@ -64,6 +64,7 @@ class GGUFWeights:
         quantization: str | None = None,
         quantization_group_size: int | None = None,
         vector_dtype: torch.dtype | None = None,
+        int8_activations: bool = False,
     ) -> None:
         self.model, self.spec, self.dtype = model, spec, dtype
         # NOTE: norms and biases (1-D) are read straight into the dtype they compute in (float32 on the
@@ -71,6 +72,7 @@ class GGUFWeights:
         self.vector_dtype = vector_dtype or dtype
         self.native = native and quantization is None
         self.not_native_reason = not_native_reason
+        self.int8_activations = int8_activations
         self.requantize = None
         if quantization is not None:
             self.requantize = f"{quantization} g{quantization_group_size or ('channel' if quantization in ('int8', 'w8a8_int8') else '128')}"
@@ -128,10 +130,15 @@ class GGUFWeights:
         if rows is not None:
             offsets = None if blocks.offsets is None else blocks.offsets[rows]
             blocks = BlockCodes(blocks.codes[rows], blocks.scales[rows], offsets, blocks.group)
-        weight = packed_from_blocks(blocks, tensor.type_name)
+        dynamic = self.int8_activations and tensor.type_name in INT8_DOT_TYPES
+        weight = packed_from_blocks(blocks, tensor.type_name, int8_activations=dynamic)
         if weight.nbytes != form.num_bytes(*tensor.shape):  # NOTE: the planner counts form.num_bytes
             raise AssertionError(f"{name}: {tensor.type_name} packed into {weight.nbytes} bytes, not {form.name}'s")
-        self._count(tensor.type_name, f"executed as {form.name} (exact, no requantization)")
+        if dynamic:
+            how = f"executed as {form.name} x int8 activations per block of 32 (--gguf-int8-activations, not exact)"
+        else:
+            how = f"executed as {form.name} (exact, no requantization)"
+        self._count(tensor.type_name, how)
         return weight
 
     def _why_float(self, name: str) -> str:

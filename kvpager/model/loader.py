@@ -75,6 +75,7 @@ def load_model(
     quantization_group_size: int | None = None,
     parallel: TensorParallel | None = None,
     gguf_dequantize: bool = False,
+    gguf_int8_activations: bool = False,
 ) -> CausalLM:
     """Load the model in `model_dir` onto `device` in `dtype`.
 
@@ -89,7 +90,8 @@ def load_model(
     the already opened `gguf_model`). Its quantized linear weights run in their packed form on a CPU with
     the packed-weight kernels (kvpager.model.gguf_packed), unless `gguf_dequantize`, `quantization`
     (which requantizes) or `parallel` (shards are sliced from floats); other tensors are dequantized to
-    `dtype`. Logged per ggml type.
+    `dtype`. Logged per ggml type. `gguf_int8_activations`: the packed Q8_0 / Q4_0 / Q4_K weights
+    multiply activations quantized to int8 per block of 32 (kvpager.model.backends.quant_dot).
 
     parallel: tensor parallelism; this rank loads only its shard (kvpager/model/tp_shards.py), sliced
     from the mapped tensors before it is copied, and runs torch's ops (the fused kernels do not
@@ -104,6 +106,11 @@ def load_model(
         gguf_model = open_gguf(model_dir)
     if gguf_model is not None and load_format == "safetensors":
         raise ValueError(f"{str(model_dir)!r} is a GGUF model; use load_format 'auto' or 'gguf', not 'safetensors'")
+    if gguf_int8_activations and gguf_model is None:
+        raise ValueError(
+            "--gguf-int8-activations applies to GGUF files; for a safetensors checkpoint use --quantization "
+            "w8a8_int8 or w4a8_int8"
+        )
     spec = spec_from_gguf(gguf_model) if gguf_model is not None else load_model_spec(model_dir)
     with torch.device("meta"):
         model = CausalLM(spec if parallel is None else shard_spec(spec, parallel.layout), parallel)
@@ -131,6 +138,7 @@ def load_model(
                 quantization=quantization,
                 quantization_group_size=quantization_group_size,
                 vector_dtype=compute_dtype(dtype, device),
+                int8_activations=gguf_int8_activations,
             )
             sources = _fuse(spec, {n: _gguf_source(gguf, n, shape) for n, shape in gguf.shapes().items()})
         else:

@@ -1,0 +1,100 @@
+"""--gguf-int8-activations: a GGUF file's Q8_0 / Q4_0 / Q4_K blocks multiply int8-quantized activations.
+
+- each such tensor is packed with the file's own codes and scales in the integer-dot classes (the
+  weights are still exactly gguf-py's dequantized values), other types stay in their exact forms;
+- a layer's matmul equals the torch reference (activations quantized per block of 32, times the
+  dequantized weight) to float32 rounding;
+- a whole model's logits stay within a measured bound of the exact packed model's, and its KV
+  fingerprint differs from the exact model's (other arithmetic, other KV);
+- the flag is refused with --quantization and on a safetensors checkpoint, naming the problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_equivalence import PagedHarness
+
+from kvpager.core.config import EngineConfig
+from kvpager.engine.engine import Engine
+from kvpager.model import load_model
+from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight, reference_matmul
+from kvpager.model.backends.quant_kernels import quant_kernels_or_none
+from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight
+from kvpager.model.gguf_packed import RowStack
+from kvpager.model.loader import packed_weights
+
+DATA = Path(__file__).parent / "data" / "gguf"
+FILES = ["tiny-llama-Q8_0.gguf", "tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf"]
+PROMPT = [1, 40, 7, 99, 250, 13, 64, 300]
+# |logit| ~ 3. Measured max |diff| vs the exact packed model over the 8 prompt positions: 5.5e-2
+# (Q8_0), 4.9e-2 (Q4_0), 4.3e-2 (Q4_K_M), top-1 equal at every position: the size of Q8_0's own weight
+# error against the float checkpoint (max |diff| 0.05). The bound leaves 2x room; a wrong scale or a
+# mis-read block moves logits by O(1).
+LOGIT_BOUND = 0.1
+
+pytestmark = pytest.mark.skipif(quant_kernels_or_none() is None, reason="packed-weight kernels did not build here")
+
+
+def _parts(weight: object) -> list[object]:
+    return list(weight.parts) if isinstance(weight, RowStack) else [weight]
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_dot_types_use_the_files_codes_and_others_stay_exact(name: str) -> None:
+    exact = packed_weights(load_model(DATA / name, dtype=torch.float32, device="cpu"))
+    dot = packed_weights(load_model(DATA / name, dtype=torch.float32, device="cpu", gguf_int8_activations=True))
+    assert exact.keys() == dot.keys() and exact
+    dynamic = 0
+    for key, weight in dot.items():
+        for a, b in zip(_parts(exact[key]), _parts(weight), strict=True):
+            assert torch.equal(a.dequantize(), b.dequantize()), key  # the file's values, unchanged
+            if isinstance(b, Int8DotWeight | Int4DotWeight):
+                dynamic += 1
+                assert type(a) in (Int8Weight, Int4Weight) and a.group_size == b.group_size == 32
+            else:
+                assert type(a) is type(b), key  # Q6_K / Q5_K parts keep their exact form
+            x = torch.randn(3, b.in_features, generator=torch.Generator().manual_seed(0))
+            got = b.matmul(x, None).double()
+            ref = (
+                reference_matmul(b, x)
+                if isinstance(b, Int8DotWeight | Int4DotWeight)
+                else x.double() @ b.dequantize(torch.float64).T
+            )
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), key
+    assert dynamic > 0
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_logits_stay_within_the_activation_rounding_bound(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    exact = PagedHarness(load_model(DATA / name, dtype=torch.float32, device="cpu"), block_size=4)
+    dot = PagedHarness(
+        load_model(DATA / name, dtype=torch.float32, device="cpu", gguf_int8_activations=True), block_size=4
+    )
+    a, b = exact.step([("s", PROMPT)])[0], dot.step([("s", PROMPT)])[0]
+    diff = (a - b).abs().max().item()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    with capsys.disabled():
+        print(f"\n{name} --gguf-int8-activations: logits max |diff| vs exact {diff:.2e}; top-1 agreement {agree:.0%}")
+    assert 0 < diff < LOGIT_BOUND
+    assert agree >= 7 / 8
+
+
+def test_fingerprint_differs_from_the_exact_model() -> None:
+    path = str(DATA / "tiny-llama-Q4_K_M.gguf")
+    common = {"model": path, "dtype": "float32", "block_size": 4, "kv_cache_memory": 1 << 22}
+    exact = Engine(EngineConfig(**common)).kv_expectation().model_fingerprint
+    dot = Engine(EngineConfig(**common, gguf_int8_activations=True)).kv_expectation().model_fingerprint
+    assert exact != dot
+
+
+def test_flag_with_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be combined with --quantization"):
+        EngineConfig(model=str(DATA / FILES[0]), quantization="int8", gguf_int8_activations=True)
+
+
+def test_flag_on_a_safetensors_checkpoint_is_refused(llama_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="applies to GGUF files"):
+        load_model(llama_checkpoint, dtype=torch.float32, device="cpu", gguf_int8_activations=True)
