@@ -5,7 +5,8 @@ Two nodes: node 0 is a real `kvpager serve` (engine, API server, rank 0) and nod
 on both command lines. Their greedy completion equals a TP=1 engine's; killing node 1 (its whole
 process group, as when the machine goes away) makes node 0 answer 503 within seconds, with nothing
 in flight (heartbeats, not a failed collective, tell). A wrong master address is a clear error
-within --distributed-timeout, on either side, not a hang. With the host tier, TP=2 reloads an
+within --distributed-timeout, on either side, not a hang; a node whose flags disagree with node 0's
+(block size here) is refused naming the flag. With the host tier, TP=2 reloads an
 evicted prefix shard by shard and gives TP=1's cold greedy tokens.
 """
 
@@ -64,7 +65,9 @@ def _headless(model: Path, port: int, log: Path, *extra: str) -> subprocess.Pope
     cmd += ["--device", "cpu", "--num-threads", "1", "--dtype", "float32", "--kv-cache-memory", "1MiB", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def test_two_nodes_serve_tp1s_greedy_text_and_a_lost_node_makes_node0_answer_503(
@@ -133,10 +136,40 @@ def test_node0_whose_other_node_never_joins_fails_clearly_within_the_timeout(lla
     assert time.monotonic() - start < 20
 
 
+def test_a_node_started_with_another_configuration_is_refused_naming_the_difference(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    node1 = _headless(llama_dir, port, tmp_path / "node1.log", "--block-size", "32")
+    config = EngineConfig(
+        model=str(llama_dir),
+        dtype="float32",
+        device="cpu",
+        num_threads=1,
+        tensor_parallel_size=2,
+        nnodes=2,
+        distributed_master_addr="127.0.0.1",
+        distributed_master_port=port,
+        kv_cache_memory=1 << 20,
+    )
+    try:
+        with pytest.raises(
+            ValueError, match="rank 1 \\(node 1\\) has another configuration than node 0: --block-size 16"
+        ):
+            Engine(config)
+        assert node1.wait(timeout=60) == 1
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait()
+
+
 # 12 blocks of 16 tokens per rank: [blocks, block_size, (K, V), layers, KV heads per rank, head_dim, fp32]
 SMALL_POOL = 12 * 16 * 2 * 2 * 1 * 16 * 4
 LONG = "She sells sea shells by the sea shore, and the shells she sells are sea shells for sure. " * 2
-FILLERS = [f"Filler text number {i}: the quick brown fox jumps over the lazy dog again and again." * 2 for i in range(4)]
+FILLERS = [
+    f"Filler text number {i}: the quick brown fox jumps over the lazy dog again and again." * 2 for i in range(4)
+]
 
 
 def test_tp2_reloads_an_evicted_prefix_from_the_host_tier_with_tp1s_cold_tokens(llama_dir: Path) -> None:

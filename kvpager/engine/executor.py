@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -50,6 +51,58 @@ class RendezvousError(RuntimeError):
 
 def heartbeat_key(rank: int) -> str:
     return f"kvpager-tp/heartbeat/{rank}"
+
+
+# What every node's configuration must agree on (each node builds its own from its command line; the
+# model path, threads, device and addresses may differ between machines).
+AGREED_FIELDS = (
+    "tensor_parallel_size",
+    "nnodes",
+    "load_format",
+    "dtype",
+    "quantization",
+    "quantization_group_size",
+    "kv_cache_dtype",
+    "block_size",
+    "max_model_len",
+    "enable_prefix_caching",
+    "fp32_matmul_precision",
+    "host_kv_cache_memory",
+    "kv_codec",
+)
+CONFIG_KEY = "kvpager-tp/config"
+
+
+def _agreement_key(rank: int) -> str:
+    return f"kvpager-tp/config-check/{rank}"
+
+
+def check_agreement(store: Any, config: EngineConfig, world_size: int) -> None:
+    """Rank 0: publish the fields every rank must share, then read each rank's verdict (ValueError
+    naming the differences when one disagrees)."""
+    store.set(CONFIG_KEY, json.dumps({name: getattr(config, name) for name in AGREED_FIELDS}))
+    for rank in range(1, world_size):
+        verdict = store.get(_agreement_key(rank)).decode("utf-8")
+        if verdict != "ok":
+            raise ValueError(verdict)
+
+
+def agree_with_rank0(store: Any, config: EngineConfig, rank: int) -> str | None:
+    """A worker: compare its configuration with rank 0's and report the verdict; the differences, or None."""
+    theirs = json.loads(store.get(CONFIG_KEY).decode("utf-8"))
+    diffs = [
+        f"--{name.replace('_', '-')} {theirs[name]!r} on node 0, {getattr(config, name)!r} here"
+        for name in AGREED_FIELDS
+        if theirs.get(name) != getattr(config, name)
+    ]
+    verdict = None
+    if diffs:
+        node = config.node_rank
+        verdict = f"tensor-parallel rank {rank} (node {node}) has another configuration than node 0: " + "; ".join(
+            diffs
+        )
+    store.set(_agreement_key(rank), verdict or "ok")
+    return verdict
 
 
 def config_to_json(config: EngineConfig) -> str:
@@ -170,6 +223,7 @@ class TensorParallelExecutor:
         torch.set_num_threads(threads)
         try:
             self._parallel = init_rank(spec, 0, n, addr, port, device, config.distributed_timeout)
+            check_agreement(self._parallel.store, config, n)
         except BaseException:
             self.abort()
             raise

@@ -256,8 +256,8 @@ def kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) -> 
         free, total = torch.cuda.mem_get_info(device)
         return default_cuda_kv_budget(free, total, config.gpu_memory_utilization, CUDA_ACTIVATION_RESERVE)
     # Weights are already resident, so MemAvailable no longer counts them. NOTE: the ranks of a
-    # tensor-parallel engine started on one machine share its RAM, so each takes its share.
-    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction / config.tensor_parallel_size)
+    # tensor-parallel engine on one machine (one node) share its RAM, so each takes its share.
+    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction / config.ranks_per_node)
 
 
 def available_ram_bytes() -> int:

@@ -25,6 +25,7 @@ from kvpager.engine.executor import (
     CONFIG_ENV,
     HEARTBEAT_INTERVAL_S,
     RendezvousError,
+    agree_with_rank0,
     config_from_json,
     heartbeat_key,
     init_rank,
@@ -60,6 +61,10 @@ def main() -> None:
         print(f"kvpager tp-worker: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     _heartbeat(parallel.store, rank)
+    disagreement = agree_with_rank0(parallel.store, config, rank)
+    if disagreement is not None:
+        print(f"kvpager tp-worker: error: {disagreement}", file=sys.stderr, flush=True)
+        sys.exit(1)
     lm = load(config, parallel)
     runner = build_runner(lm, config, parallel)
     tiers = build_tiers(config, lm.fingerprint)  # NOTE: this rank's shards only (EngineConfig: host tier only)
