@@ -7,7 +7,9 @@ process group, as when the machine goes away) makes node 0 answer 503 within sec
 in flight (heartbeats, not a failed collective, tell). A wrong master address is a clear error
 within --distributed-timeout, on either side, not a hang; a node whose flags disagree with node 0's
 (block size here) is refused naming the flag. With the host tier, TP=2 reloads an
-evicted prefix shard by shard and gives TP=1's cold greedy tokens.
+evicted prefix shard by shard and gives TP=1's cold greedy tokens; with the disk tier too, every
+rank flushes its shards into its own directory at shutdown and a restarted TP=2 engine serves the
+prefix from disk, again with TP=1's tokens.
 """
 
 from __future__ import annotations
@@ -172,9 +174,14 @@ FILLERS = [
 ]
 
 
-def test_tp2_reloads_an_evicted_prefix_from_the_host_tier_with_tp1s_cold_tokens(llama_dir: Path) -> None:
-    tp1_cold, _ = _generate(_engine(llama_dir, 1, kv_cache_memory=1 << 20, kernel_backend="torch"), LONG, GREEDY)
-    engine = _engine(llama_dir, 2, kv_cache_memory=SMALL_POOL, host_kv_cache_memory=1 << 20)
+def test_tp2_reloads_an_evicted_prefix_from_the_host_then_the_disk_tier_with_tp1s_cold_tokens(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    tp1 = _engine(llama_dir, 1, kv_cache_memory=1 << 20, kernel_backend="torch")
+    tp1_cold, _ = _generate(tp1, LONG, GREEDY)
+    num_prefix_blocks = (len(tp1.tokenizer.encode(LONG)) - 1) // 16  # the full blocks a prefix hit may reuse
+    tiers = {"kv_cache_memory": SMALL_POOL, "host_kv_cache_memory": 1 << 20, "kv_cache_dir": str(tmp_path / "kv")}
+    engine = _engine(llama_dir, 2, **tiers)
     try:
         first, _ = _generate(engine, LONG, GREEDY)
         for filler in FILLERS:  # NOTE: each takes most of the 12 blocks: LONG's are evicted to the host tier
@@ -182,9 +189,18 @@ def test_tp2_reloads_an_evicted_prefix_from_the_host_tier_with_tp1s_cold_tokens(
         stats = engine.kv_tier_stats()
         assert stats.offloaded.blocks > 0 and stats.restored.blocks == 0
         again, _ = _generate(engine, LONG, GREEDY)
-        restored = engine.kv_tier_stats().restored.blocks
-        assert restored >= len(engine.tokenizer.encode(LONG)) // 16 - 1, "the prefix did not come from the host tier"
+        assert engine.kv_tier_stats().restored.blocks >= num_prefix_blocks, "the prefix did not come from the host tier"
         assert first == tp1_cold and again == tp1_cold
         assert check_scheduler(engine.scheduler) == []
     finally:
-        engine.shutdown()
+        engine.shutdown()  # NOTE: every rank flushes its host tier into its own directory
+    for rank in (0, 1):
+        assert any((tmp_path / "kv" / f"tp2-rank{rank}").iterdir()), f"rank {rank} wrote no shards to disk"
+    restarted = _engine(llama_dir, 2, **tiers)
+    try:
+        cold_start, _ = _generate(restarted, LONG, GREEDY)
+        stats = restarted.kv_tier_stats()
+        assert stats.disk is not None and stats.restored.blocks >= num_prefix_blocks, "not served from the disk tier"
+        assert cold_start == tp1_cold
+    finally:
+        restarted.shutdown()

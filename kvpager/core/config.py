@@ -167,19 +167,18 @@ class EngineConfig:
         self._check_nodes()
         if n == 1:
             return
-        # NOTE: the host tier works under tensor parallelism (each rank keeps its shards: kvstore/sharded.py);
-        # the disk tier, the shared store and packs move whole blocks in one file or key, and are refused.
+        # NOTE: the host and disk tiers work under tensor parallelism (each rank keeps its shards:
+        # kvstore/sharded.py); the shared store and packs hold whole blocks in one key or file, and are refused.
         tiers = {
-            "--kv-cache-dir": self.kv_cache_dir is not None,
             "--kv-cache-remote": self.kv_cache_remote is not None,
             "--kv-pack": bool(self.kv_packs),
         }
         used = [flag for flag, on in tiers.items() if on]
         _check(
             not used,
-            f"{', '.join(used)} cannot be combined with --tensor-parallel-size {n} yet (the disk tier, the shared "
-            "store and KV packs hold whole blocks; each rank holds a shard of every block). "
-            "--host-kv-cache-memory works with tensor parallelism",
+            f"{', '.join(used)} cannot be combined with --tensor-parallel-size {n} yet (the shared store and KV "
+            "packs hold whole blocks; each rank holds a shard of every block). --host-kv-cache-memory and "
+            "--kv-cache-dir work with tensor parallelism",
         )
         _check(
             self.kernel_backend != "cpu",

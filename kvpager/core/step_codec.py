@@ -28,10 +28,11 @@ class TierOps:
 
     offloads: tuple[tuple[int, BlockHash], ...] = ()  # (block id, hash): copy the evicted block out
     loads: tuple[tuple[int, tuple[tuple[BlockHash, int], ...]], ...] = ()  # (job id, ((hash, block id), ...))
+    flush: bool = False  # then write the host tier's blocks to the disk tier (at shutdown)
 
     @property
     def is_empty(self) -> bool:
-        return not self.offloads and not self.loads
+        return not self.offloads and not self.loads and not self.flush
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def _encode_tier_ops(ops: TierOps) -> dict[str, Any]:
     return {
         "offloads": [[block_id, block_hash.hex()] for block_id, block_hash in ops.offloads],
         "loads": [[job_id, [[h.hex(), block_id] for h, block_id in blocks]] for job_id, blocks in ops.loads],
+        "flush": ops.flush,
     }
 
 
@@ -82,7 +84,7 @@ def _decode_tier_ops(doc: dict[str, Any]) -> TierOps:
         (int(job_id), tuple((BlockHash(bytes.fromhex(h)), int(block_id)) for h, block_id in blocks))
         for job_id, blocks in doc["loads"]
     )
-    return TierOps(offloads, loads)
+    return TierOps(offloads, loads, bool(doc["flush"]))
 
 
 def _encode_output(out: SchedulerOutput) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from kvpager.engine.output_processor import OutputProcessor
 from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
 from kvpager.kvstore.pack import Pack, PackExpectation, PackModel
 from kvpager.kvstore.publisher import RemotePublisher
-from kvpager.kvstore.sharded import ShardedTierStore
+from kvpager.kvstore.sharded import ShardedTierStore, build_rank_tiers
 from kvpager.model.parallel import TensorParallel
 from kvpager.worker.structured import GrammarCompiler
 
@@ -145,11 +145,20 @@ class Engine:
     def _build_store(self, config: EngineConfig, lm: LoadedModel) -> TieredBlockStore | ShardedTierStore | None:
         """The KV tiers below the pool: background copies without tensor parallelism; under it, each
         rank's shard moved in the step that rank 0 broadcasts (`kvstore/sharded.py`)."""
-        tiers = build_tiers(config, lm.fingerprint)
+        if self.executor is not None:
+            tiers = build_rank_tiers(config, lm.fingerprint, 0)
+        else:
+            tiers = build_tiers(config, lm.fingerprint)
         if tiers is None:
             return None
         if self.executor is not None:
-            return ShardedTierStore(tiers, self.runner, self.executor.parallel)
+            executor = self.executor
+            return ShardedTierStore(
+                tiers,
+                self.runner,
+                executor.parallel,
+                lambda ops: executor.send_step(StepMessage(OP_STEP, tier_ops=ops)),
+            )
         return TieredBlockStore(tiers, self.runner, lm.device)
 
     def _broadcast_step(self, out: SchedulerOutput, sampled: dict[RequestId, int]) -> None:
@@ -387,11 +396,13 @@ class Engine:
         self.grammar.shutdown()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
+        written = 0
+        if self.kv_store is not None and self.dead_reason is None:  # NOTE: under TP every rank writes its shards
+            written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
         if self.executor is not None:
             self.executor.shutdown()
         if self.kv_store is None:
             return
-        written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
         self.kv_store.close()
         logger.info("KV tiers: %d blocks flushed to disk at shutdown", written)
 

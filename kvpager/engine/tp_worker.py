@@ -31,8 +31,7 @@ from kvpager.engine.executor import (
     init_rank,
 )
 from kvpager.engine.loading import build_runner, load, model_spec_of, resolve_device
-from kvpager.kvstore.offload import build_tiers
-from kvpager.kvstore.sharded import run_tier_ops
+from kvpager.kvstore.sharded import build_rank_tiers, run_tier_ops
 
 logger = logging.getLogger("kvpager")
 
@@ -67,15 +66,16 @@ def main() -> None:
         sys.exit(1)
     lm = load(config, parallel)
     runner = build_runner(lm, config, parallel)
-    tiers = build_tiers(config, lm.fingerprint)  # NOTE: this rank's shards only (EngineConfig: host tier only)
+    tiers = build_rank_tiers(config, lm.fingerprint, rank)  # NOTE: this rank's shards only
     while True:
         message = decode_step(parallel.broadcast_bytes(None))
-        if message.op == OP_STOP or message.output is None:
+        if message.op == OP_STOP:
             break
         runner.apply_sampled(message.sampled)
         if tiers is not None and not message.tier_ops.is_empty:
             run_tier_ops(tiers, runner, message.tier_ops, parallel)
-        runner.execute(message.output)
+        if message.output is not None:  # NOTE: None: tier work only (the engine persisting at shutdown)
+            runner.execute(message.output)
 
 
 def _heartbeat(store: Any, rank: int) -> None:

@@ -10,28 +10,46 @@ result is the smallest count of leading blocks any rank filled (one MIN all-redu
 tier lost a block (different compressed sizes, a failed read) costs a recompute, never a wrong block.
 
 Synchronous by design: the tier I/O of a step runs on each rank's step thread, in the same order on
-every rank, so the ranks' host tiers (same capacity, same block sizes, same operations) hold the
-same hashes. Only the host tier is supported here (EngineConfig refuses disk, remote and packs with
-N > 1).
+every rank, so the ranks' tiers (same capacity, same block sizes, same operations) hold the same
+hashes. The host and disk tiers are supported: each rank's disk tier is a directory of its own under
+--kv-cache-dir (`rank_cache_dir`), flushed at shutdown by every rank (a flush op rank 0 sends). The
+shared store and packs are not (EngineConfig refuses them with N > 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
 from kvpager.core.step_codec import TierOps
+from kvpager.kvstore.offload import build_tiers
 from kvpager.kvstore.tier_stats import KVTierStats, MoveCounters
 from kvpager.kvstore.tiers import KVTiers
 from kvpager.model.parallel import TensorParallel
 
 logger = logging.getLogger("kvpager.kvstore.sharded")
+
+
+def rank_cache_dir(kv_cache_dir: str, rank: int, world_size: int) -> str:
+    """The disk tier directory of one rank: its shards only, never mixed with another layout's."""
+    return str(Path(kv_cache_dir) / f"tp{world_size}-rank{rank}")
+
+
+def build_rank_tiers(config: EngineConfig, fingerprint: bytes, rank: int) -> KVTiers | None:
+    """This rank's tiers (host and/or disk, each bounded per rank as the flags say), or None."""
+    if config.kv_cache_dir is not None:
+        directory = rank_cache_dir(config.kv_cache_dir, rank, config.tensor_parallel_size)
+        config = dataclasses.replace(config, kv_cache_dir=directory)
+    return build_tiers(config, fingerprint)
 
 
 class ShardIO(Protocol):
@@ -49,8 +67,9 @@ def run_tier_ops(
     parallel: TensorParallel,
     offloaded: MoveCounters | None = None,
     restored: MoveCounters | None = None,
-) -> dict[int, int]:
-    """Run one step's tier operations on this rank; returns load job id -> leading blocks every rank filled.
+) -> tuple[dict[int, int], int]:
+    """Run one step's tier operations on this rank; returns (load job id -> leading blocks every rank
+    filled, blocks this rank's flush wrote to disk).
 
     Every rank calls it with the same `ops` at the same point of the step (the MIN all-reduce pairs up).
     Offloads go first: a block loaded in the same step may be one just evicted.
@@ -65,11 +84,12 @@ def run_tier_ops(
             continue
         _count(offloaded, block, start)
     counts = [_load(tiers, io, blocks, parallel.device, restored) for _, blocks in ops.loads]
+    flushed = tiers.flush() if ops.flush else 0
     if not counts:
-        return {}
+        return {}, flushed
     agreed = torch.tensor(counts, dtype=torch.int64, device=parallel.device)
     parallel.all_reduce(agreed, dist.ReduceOp.MIN)
-    return {job_id: int(n) for (job_id, _), n in zip(ops.loads, agreed.tolist(), strict=True)}
+    return {job_id: int(n) for (job_id, _), n in zip(ops.loads, agreed.tolist(), strict=True)}, flushed
 
 
 def _load(
@@ -108,12 +128,13 @@ class ShardedTierStore:
     `run`; the loads it ran are reported by `finished_loads` (at the next `schedule()`).
     """
 
-    def __init__(self, tiers: KVTiers, io: ShardIO, parallel: TensorParallel) -> None:
-        if tiers.disk is not None or tiers.remote is not None:
-            raise ValueError("only the host KV tier is supported with tensor parallelism")
+    def __init__(self, tiers: KVTiers, io: ShardIO, parallel: TensorParallel, send: Callable[[TierOps], None]) -> None:
+        if tiers.remote is not None:
+            raise ValueError("the shared KV store (--kv-cache-remote) is not supported with tensor parallelism")
         self.tiers = tiers
         self.io = io
         self.parallel = parallel
+        self.send = send  # broadcasts tier work alone (no step): the persist at shutdown
         self.offloaded = MoveCounters()
         self.restored = MoveCounters()
         self._offloads: list[tuple[int, BlockHash]] = []
@@ -153,29 +174,43 @@ class ShardedTierStore:
         self._offloads, self._loads = [], []
         return ops
 
-    def run(self, ops: TierOps) -> None:
-        """Rank 0's part of `ops` (after broadcasting them): its shards, and the loads' agreed counts."""
+    def run(self, ops: TierOps) -> int:
+        """Rank 0's part of `ops` (after broadcasting them): its shards, and the loads' agreed counts.
+        Returns the blocks its flush wrote (0 without one)."""
         try:
-            self._finished.update(run_tier_ops(self.tiers, self.io, ops, self.parallel, self.offloaded, self.restored))
+            loaded, flushed = run_tier_ops(self.tiers, self.io, ops, self.parallel, self.offloaded, self.restored)
         finally:
             self._staged.difference_update(block_hash for _, block_hash in ops.offloads)
+        self._finished.update(loaded)
+        return flushed
 
     def wait_for_copies(self) -> None:
         """Nothing to wait for: evicted blocks are copied out by the step itself, before its forward."""
 
     def persist(self, cached: Sequence[tuple[BlockHash, int]]) -> int:
-        """At shutdown: nothing to flush (no disk tier under tensor parallelism)."""
-        return 0
+        """At shutdown (the workers still up): every rank copies the pool's cached blocks' shards into its
+        tiers, then flushes its host tier to its disk tier. Returns the blocks rank 0's flush wrote."""
+        for block_hash, block_id in cached:
+            self.on_evict(block_id, block_hash)
+        ops = dataclasses.replace(self.take_ops(), flush=self.tiers.disk is not None)
+        if ops.is_empty:
+            return 0
+        try:
+            self.send(ops)
+            return self.run(ops)
+        except Exception:  # NOTE: a cache that is not persisted is recomputed next time; shutdown goes on
+            logger.exception("KV tiers: the tensor-parallel persist at shutdown failed")
+            return 0
 
     def close(self) -> None:
         """No threads to stop."""
 
     def stats(self, device_evictions: int) -> KVTierStats:
         """Rank 0's tier counters (every rank moves the same blocks, each its own shard of them)."""
-        host = self.tiers.host
+        host, disk = self.tiers.host, self.tiers.disk
         return KVTierStats(
             host=host.stats if host is not None else None,
-            disk=None,
+            disk=disk.stats if disk is not None else None,
             device_evictions=device_evictions,
             offloaded=MoveCounters(self.offloaded.blocks, self.offloaded.bytes, self.offloaded.seconds),
             restored=MoveCounters(self.restored.blocks, self.restored.bytes, self.restored.seconds),
