@@ -19,16 +19,15 @@ from kvpager.core.outputs import RequestOutput
 from kvpager.core.request import Request, RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpager.core.step_codec import OP_STEP, StepMessage, TierOps
 from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
-from kvpager.engine.executor import TensorParallelExecutor
+from kvpager.engine.executor import TensorParallelExecutor, build_store
 from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
 from kvpager.engine.loading import LoadedModel, build_runner, load, log_pool, model_spec_of, resolve_device
 from kvpager.engine.output_processor import OutputProcessor
-from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
+from kvpager.kvstore.offload import KVTierStats, TieredBlockStore
 from kvpager.kvstore.pack import Pack, PackExpectation, PackModel
 from kvpager.kvstore.publisher import RemotePublisher
-from kvpager.kvstore.sharded import ShardedTierStore, build_rank_tiers
+from kvpager.kvstore.sharded import ShardedTierStore
 from kvpager.model.parallel import TensorParallel
 from kvpager.worker.structured import GrammarCompiler
 
@@ -88,7 +87,7 @@ class Engine:
             grammar=self.grammar,
             on_step=self._broadcast_step if self.executor is not None else None,
         )
-        self.kv_store = self._build_store(config, lm)
+        self.kv_store = build_store(config, lm.fingerprint, self.runner, lm.device, self.executor)
         self.kv_manager = KVCacheManager(
             block_size=config.block_size,
             num_blocks=lm.pool.num_blocks,
@@ -142,34 +141,12 @@ class Engine:
             )
         return TensorParallelExecutor(config, model_spec_of(config), resolve_device(config.device))
 
-    def _build_store(self, config: EngineConfig, lm: LoadedModel) -> TieredBlockStore | ShardedTierStore | None:
-        """The KV tiers below the pool: background copies without tensor parallelism; under it, each
-        rank's shard moved in the step that rank 0 broadcasts (`kvstore/sharded.py`)."""
-        if self.executor is not None:
-            tiers = build_rank_tiers(config, lm.fingerprint, 0)
-        else:
-            tiers = build_tiers(config, lm.fingerprint)
-        if tiers is None:
-            return None
-        if self.executor is not None:
-            executor = self.executor
-            return ShardedTierStore(
-                tiers,
-                self.runner,
-                executor.parallel,
-                lambda ops: executor.send_step(StepMessage(OP_STEP, tier_ops=ops)),
-            )
-        return TieredBlockStore(tiers, self.runner, lm.device)
-
     def _broadcast_step(self, out: SchedulerOutput, sampled: dict[RequestId, int]) -> None:
-        """The runner's `on_step` under tensor parallelism: send the step (with the tier work rank 0's
-        store queued) to every rank, then do rank 0's share of that tier work."""
+        """The runner's `on_step` under tensor parallelism (with the tier work rank 0's store queued)."""
         assert self.executor is not None
-        store = self.kv_store if isinstance(self.kv_store, ShardedTierStore) else None
-        ops = store.take_ops() if store is not None else TierOps()
-        self.executor.send_step(StepMessage(OP_STEP, out, sampled, ops))
-        if store is not None and not ops.is_empty:
-            store.run(ops)
+        self.executor.broadcast_step(
+            out, sampled, self.kv_store if isinstance(self.kv_store, ShardedTierStore) else None
+        )
 
     @property
     def _parallel(self) -> TensorParallel | None:

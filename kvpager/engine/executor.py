@@ -28,10 +28,15 @@ from typing import Any
 import torch
 
 from kvpager.core.config import EngineConfig
+from kvpager.core.hashing import RequestId
 from kvpager.core.limits import RequestLimits
-from kvpager.core.step_codec import OP_STOP, StepMessage, encode_step
+from kvpager.core.scheduler import SchedulerOutput
+from kvpager.core.step_codec import OP_STEP, OP_STOP, StepMessage, TierOps, encode_step
+from kvpager.kvstore.offload import TieredBlockStore, build_tiers
+from kvpager.kvstore.sharded import ShardedTierStore, build_rank_tiers
 from kvpager.model.parallel import TensorParallel, join_group, layout_for
 from kvpager.model.spec import ModelSpec
+from kvpager.worker.runner import ModelRunner
 
 logger = logging.getLogger("kvpager")
 
@@ -233,6 +238,15 @@ class TensorParallelExecutor:
         assert self._parallel is not None, "the executor joined no group"
         return self._parallel
 
+    def broadcast_step(
+        self, out: SchedulerOutput, sampled: dict[RequestId, int], store: ShardedTierStore | None
+    ) -> None:
+        """Send a step (with the tier work `store` queued) to every rank, then do rank 0's share of it."""
+        ops = store.take_ops() if store is not None else TierOps()
+        self.send_step(StepMessage(OP_STEP, out, sampled, ops))
+        if store is not None and not ops.is_empty:
+            store.run(ops)
+
     def send_step(self, message: StepMessage) -> None:
         """Broadcast one step message to every rank."""
         self.check_alive()
@@ -319,6 +333,26 @@ class TensorParallelExecutor:
         for proc in self.workers:
             proc.kill()
             proc.wait()
+
+
+def build_store(
+    config: EngineConfig,
+    fingerprint: bytes,
+    io: ModelRunner,
+    device: torch.device,
+    executor: TensorParallelExecutor | None,
+) -> TieredBlockStore | ShardedTierStore | None:
+    """The KV tiers below the pool: background copies with one rank; under tensor parallelism each
+    rank's shards, moved in the steps rank 0 broadcasts (`kvstore/sharded.py`). None without tiers."""
+    if executor is None:
+        tiers = build_tiers(config, fingerprint)
+        return TieredBlockStore(tiers, io, device) if tiers is not None else None
+    rank_tiers = build_rank_tiers(config, fingerprint, 0)
+    if rank_tiers is None:
+        return None
+    return ShardedTierStore(
+        rank_tiers, io, executor.parallel, lambda ops: executor.send_step(StepMessage(OP_STEP, tier_ops=ops))
+    )
 
 
 def _free_port(addr: str) -> int:
