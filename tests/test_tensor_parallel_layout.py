@@ -10,11 +10,11 @@ import pytest
 
 from kvpager.cli.plan import main as plan_main
 from kvpager.core.config import EngineConfig
-from kvpager.core.hashing import RequestId
+from kvpager.core.hashing import BlockHash, RequestId
 from kvpager.core.sampling_params import SamplingParams, StructuredOutputSpec
 from kvpager.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvpager.core.sizing import pool_size
-from kvpager.core.step_codec import OP_STEP, OP_STOP, StepMessage, decode_step, encode_step
+from kvpager.core.step_codec import OP_STEP, OP_STOP, StepMessage, TierOps, decode_step, encode_step
 from kvpager.core.tensor_parallel import tensor_parallel_layout
 from kvpager.engine.executor import config_from_json, config_to_json
 from kvpager.model.spec import load_model_spec
@@ -89,7 +89,9 @@ def test_step_message_round_trips_as_json() -> None:
         preempted_ids=(RequestId("c"),),
         finished_ids=(RequestId("d"),),
     )
-    message = StepMessage(OP_STEP, out, {RequestId("b"): 42})
+    h1, h2 = BlockHash(bytes(range(32))), BlockHash(b"\xff" * 32)
+    ops = TierOps(offloads=((7, h1),), loads=((3, ((h2, 4), (h1, 9))),), flush=True)
+    message = StepMessage(OP_STEP, out, {RequestId("b"): 42}, ops)
     payload = encode_step(message)
     json.loads(payload)  # plain JSON: no pickle anywhere
     assert decode_step(payload) == message
@@ -111,7 +113,14 @@ def test_config_travels_to_the_workers_as_json() -> None:
     ("fields", "message"),
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
-        ({"host_kv_cache_memory": 1 << 20}, "--host-kv-cache-memory cannot be combined with --tensor-parallel-size 2"),
+        ({"kv_cache_remote": "redis://h:1"}, "--kv-cache-remote cannot be combined with --tensor-parallel-size 2"),
+        ({"kv_packs": ("p.kvpack",)}, "--kv-pack cannot be combined with --tensor-parallel-size 2"),
+        ({"nnodes": 3}, "--tensor-parallel-size 2 is not a multiple of --nnodes 3"),
+        ({"nnodes": 2}, "--nnodes 2 needs --master-addr"),
+        (
+            {"nnodes": 2, "node_rank": 2, "distributed_master_addr": "h", "distributed_master_port": 1},
+            "node_rank must be in 0..1",
+        ),
         ({"kernel_backend": "cpu"}, "--kernel-backend cpu cannot be combined"),
         ({"distributed_master_port": 70000}, "distributed_master_port must be in 1..65535"),
     ],
@@ -120,6 +129,34 @@ def test_config_refuses_what_tensor_parallelism_cannot_do(fields: dict[str, obje
     base = {"tensor_parallel_size": 2, **fields}
     with pytest.raises(ValueError, match=message):
         EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def test_host_and_disk_tiers_are_accepted_with_tensor_parallelism_and_nodes_split_the_ranks() -> None:
+    config = EngineConfig(
+        tensor_parallel_size=4,
+        host_kv_cache_memory=1 << 20,
+        kv_cache_dir="kv",
+        nnodes=2,
+        node_rank=1,
+        distributed_master_addr="10.0.0.1",
+        distributed_master_port=29500,
+    )
+    assert config.ranks_per_node == 2 and list(config.node_ranks) == [2, 3]
+
+
+def test_serve_parses_vllms_multi_node_flags_and_the_old_spellings() -> None:
+    from kvpager.cli.serve import build_parser
+    from kvpager.engine.args import config_from_args
+
+    common = ["-tp", "2", "--nnodes", "2", "--node-rank", "1", "--headless"]
+    for addr_flag, port_flag in (
+        ("--master-addr", "--master-port"),
+        ("--distributed-master-addr", "--distributed-master-port"),
+    ):
+        args = build_parser().parse_args([*common, addr_flag, "10.1.2.3", port_flag, "29501"])
+        config = config_from_args(args)
+        assert args.headless and (config.nnodes, config.node_rank) == (2, 1)
+        assert (config.distributed_master_addr, config.distributed_master_port) == ("10.1.2.3", 29501)
 
 
 def test_engine_refuses_a_tp_size_that_does_not_divide_the_heads_before_starting_workers(

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='accepted for vLLM compatibility: "auto" is enabled by --tool-call-parser',
     )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's tensor-parallel worker ranks (no engine, no API server): a node R > 0 of "
+        "--nnodes, with --node-rank R and node 0's --master-addr/--master-port",
+    )
     add_kv_transfer_args(p)
     add_engine_args(p)
     return p
@@ -164,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         config = config_from_args(args)
+        if args.headless:
+            from kvpager.engine.tp_node import run_headless
+
+            return run_headless(config)
+        if config.node_rank != 0:
+            raise ValueError(f"--node-rank {config.node_rank} runs worker ranks only: add --headless")
         if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
         if args.replicas is not None:
@@ -182,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvpager serve: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # NOTE: only the tensor-parallel rendezvous's; anything else is a bug to show
+        from kvpager.engine.executor import RendezvousError
+
+        if not isinstance(exc, RendezvousError):
+            raise
+        print(f"kvpager serve: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def build_server(args: argparse.Namespace, config: object, settings: ServerSettings) -> tuple[AsyncEngine, FastAPI]:

@@ -89,13 +89,17 @@ class EngineConfig:
     kv_cache_remote: str | None = None  # redis://HOST:PORT of a Redis/Valkey store shared by replicas; None: off
     kv_cache_remote_timeout: float = 1.0  # seconds per store call; a slower store is a miss (recompute)
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # per-request work bounds (admission)
-    # Tensor parallelism (docs/scale-out.md): ranks 1..N-1 are worker processes the engine starts; rank 0
-    # is the engine. The rendezvous address: these, else MASTER_ADDR / MASTER_PORT, else 127.0.0.1 and a
-    # free port. `distributed_timeout` bounds a collective (a rank that stops answering fails the engine).
+    # Tensor parallelism (docs/scale-out.md): rank 0 is the engine; the other ranks are worker processes,
+    # `tensor_parallel_size / nnodes` of them per node (vLLM's --nnodes / --node-rank): node 0 starts ranks
+    # 1..L-1, node R (headless) ranks R*L..R*L+L-1. The rendezvous address: these, else MASTER_ADDR /
+    # MASTER_PORT, else (one node only) 127.0.0.1 and a free port; with several nodes both must be given.
+    # `distributed_timeout` bounds the rendezvous and a collective (a rank that stops answering fails the engine).
     tensor_parallel_size: int = 1
     distributed_master_addr: str | None = None
     distributed_master_port: int | None = None
     distributed_timeout: float = 60.0
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
@@ -167,25 +171,56 @@ class EngineConfig:
         port = self.distributed_master_port
         _check(port is None or 0 < port < 65536, f"distributed_master_port must be in 1..65535, got {port}")
         _check(self.distributed_timeout > 0, f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        self._check_nodes()
         if n == 1:
             return
+        # NOTE: the host and disk tiers work under tensor parallelism (each rank keeps its shards:
+        # kvstore/sharded.py); the shared store and packs hold whole blocks in one key or file, and are refused.
         tiers = {
-            "--host-kv-cache-memory": self.host_kv_cache_memory is not None,
-            "--kv-cache-dir": self.kv_cache_dir is not None,
             "--kv-cache-remote": self.kv_cache_remote is not None,
             "--kv-pack": bool(self.kv_packs),
         }
         used = [flag for flag, on in tiers.items() if on]
         _check(
             not used,
-            f"{', '.join(used)} cannot be combined with --tensor-parallel-size {n} yet "
-            "(KV tiers and packs read one pool; each rank holds a shard of it)",
+            f"{', '.join(used)} cannot be combined with --tensor-parallel-size {n} yet (the shared store and KV "
+            "packs hold whole blocks; each rank holds a shard of every block). --host-kv-cache-memory and "
+            "--kv-cache-dir work with tensor parallelism",
         )
         _check(
             self.kernel_backend != "cpu",
             "--kernel-backend cpu cannot be combined with --tensor-parallel-size > 1 (the fused kernels do not "
             "all-reduce between layers); use auto or torch",
         )
+
+    def _check_nodes(self) -> None:
+        n, nodes = self.tensor_parallel_size, self.nnodes
+        _check(nodes >= 1, f"nnodes must be >= 1, got {nodes}")
+        _check(
+            0 <= self.node_rank < nodes, f"node_rank must be in 0..{nodes - 1} (--nnodes {nodes}), got {self.node_rank}"
+        )
+        _check(
+            n % nodes == 0,
+            f"--tensor-parallel-size {n} is not a multiple of --nnodes {nodes}: every node runs the same number "
+            f"of ranks (tensor_parallel_size / nnodes); use a tensor-parallel size of {nodes}, {2 * nodes}, ...",
+        )
+        if nodes > 1:
+            _check(
+                self.distributed_master_addr is not None and self.distributed_master_port is not None,
+                f"--nnodes {nodes} needs --master-addr (node 0's address, reachable from every node) and "
+                "--master-port, the same on every node",
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks each node runs (node 0's first is the engine itself)."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
     def _check_kv_storage(self) -> None:
         _check(

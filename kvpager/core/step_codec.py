@@ -3,7 +3,9 @@
 Rank 0 runs the scheduler and samples; every other rank runs the same forward on its shard. Each
 step rank 0 sends them one `StepMessage` (docs/scale-out.md): the plain-data `SchedulerOutput` and
 the tokens it sampled in the previous step (so each rank's runner keeps every request's tokens, as
-rank 0's does). JSON, never pickle: a message can only ever become these dataclasses. Torch-free.
+rank 0's does), and the KV tier operations rank 0 decided (`TierOps`: blocks whose shards each rank
+copies to its host tier, prefix loads each rank fills from it; kvpager/kvstore/sharded.py). JSON,
+never pickle: a message can only ever become these dataclasses. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,12 +14,25 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpager.core.hashing import RequestId
+from kvpager.core.hashing import BlockHash, RequestId
 from kvpager.core.sampling_params import SamplingParams, StructuredOutputSpec
 from kvpager.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 
 OP_STEP = "step"
 OP_STOP = "stop"
+
+
+@dataclass(frozen=True)
+class TierOps:
+    """The KV tier work of one step, run by every rank on its own shards before the step's forward."""
+
+    offloads: tuple[tuple[int, BlockHash], ...] = ()  # (block id, hash): copy the evicted block out
+    loads: tuple[tuple[int, tuple[tuple[BlockHash, int], ...]], ...] = ()  # (job id, ((hash, block id), ...))
+    flush: bool = False  # then write the host tier's blocks to the disk tier (at shutdown)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.offloads and not self.loads and not self.flush
 
 
 @dataclass(frozen=True)
@@ -27,6 +42,7 @@ class StepMessage:
     op: str
     output: SchedulerOutput | None = None
     sampled: dict[RequestId, int] = field(default_factory=dict)  # last step's tokens, request id -> token
+    tier_ops: TierOps = field(default_factory=TierOps)
 
 
 def encode_step(message: StepMessage) -> bytes:
@@ -34,6 +50,8 @@ def encode_step(message: StepMessage) -> bytes:
     doc: dict[str, Any] = {"op": message.op, "sampled": [[rid, tok] for rid, tok in message.sampled.items()]}
     if message.output is not None:
         doc["output"] = _encode_output(message.output)
+    if not message.tier_ops.is_empty:
+        doc["tier"] = _encode_tier_ops(message.tier_ops)
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
@@ -46,9 +64,27 @@ def decode_step(payload: bytes) -> StepMessage:
             raise ValueError(f"unknown op {op!r}")
         sampled = {RequestId(str(rid)): int(tok) for rid, tok in doc["sampled"]}
         output = _decode_output(doc["output"]) if "output" in doc else None
+        tier_ops = _decode_tier_ops(doc["tier"]) if "tier" in doc else TierOps()
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed tensor-parallel step message: {exc}") from exc
-    return StepMessage(op, output, sampled)
+    return StepMessage(op, output, sampled, tier_ops)
+
+
+def _encode_tier_ops(ops: TierOps) -> dict[str, Any]:
+    return {
+        "offloads": [[block_id, block_hash.hex()] for block_id, block_hash in ops.offloads],
+        "loads": [[job_id, [[h.hex(), block_id] for h, block_id in blocks]] for job_id, blocks in ops.loads],
+        "flush": ops.flush,
+    }
+
+
+def _decode_tier_ops(doc: dict[str, Any]) -> TierOps:
+    offloads = tuple((int(block_id), BlockHash(bytes.fromhex(h))) for block_id, h in doc["offloads"])
+    loads = tuple(
+        (int(job_id), tuple((BlockHash(bytes.fromhex(h)), int(block_id)) for h, block_id in blocks))
+        for job_id, blocks in doc["loads"]
+    )
+    return TierOps(offloads, loads, bool(doc["flush"]))
 
 
 def _encode_output(out: SchedulerOutput) -> dict[str, Any]:

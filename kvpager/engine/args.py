@@ -100,15 +100,33 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "starts ranks 1..N-1 as worker processes (gloo on CPU, nccl on CUDA)",
     )
     g.add_argument(
+        "--master-addr",
         "--distributed-master-addr",
+        dest="distributed_master_addr",
         default=None,
-        help="rendezvous address of rank 0 (default: $MASTER_ADDR, else 127.0.0.1)",
+        help="rendezvous address of rank 0 on node 0, reachable from every node (default: $MASTER_ADDR, "
+        "else 127.0.0.1 with one node; required with --nnodes > 1)",
     )
     g.add_argument(
+        "--master-port",
         "--distributed-master-port",
+        dest="distributed_master_port",
         type=int,
         default=None,
-        help="rendezvous port (default: $MASTER_PORT, else a free port)",
+        help="rendezvous port (default: $MASTER_PORT, else a free port with one node; required with --nnodes > 1)",
+    )
+    g.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines the tensor-parallel ranks span; each runs tensor_parallel_size / nnodes ranks (default 1)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place among --nnodes: 0 runs the engine (scheduler, API server) and ranks 0..L-1; "
+        "R > 0 runs ranks R*L..R*L+L-1 and needs --headless (kvpager serve)",
     )
     g.add_argument(
         "--distributed-timeout",
@@ -238,6 +256,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         distributed_master_addr=args.distributed_master_addr,
         distributed_master_port=args.distributed_master_port,
         distributed_timeout=args.distributed_timeout,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         request_limits=RequestLimits(
             max_logprobs=args.max_logprobs,
             max_stop_strings=args.max_stop_strings,

@@ -18,17 +18,17 @@ from kvpager.core.kv_cache_manager import KVCacheManager
 from kvpager.core.outputs import RequestOutput
 from kvpager.core.request import Request, RequestStatus
 from kvpager.core.sampling_params import SamplingParams
-from kvpager.core.scheduler import Scheduler, SchedulerConfig
+from kvpager.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
-from kvpager.engine.executor import TensorParallelExecutor
+from kvpager.engine.executor import TensorParallelExecutor, build_store
 from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
-from kvpager.engine.loading import LoadedModel, load, log_pool, model_spec_of, resolve_device
+from kvpager.engine.loading import LoadedModel, build_runner, load, log_pool, model_spec_of, resolve_device
 from kvpager.engine.output_processor import OutputProcessor
-from kvpager.kvstore.offload import KVTierStats, TieredBlockStore, build_tiers
+from kvpager.kvstore.offload import KVTierStats, TieredBlockStore
 from kvpager.kvstore.pack import Pack, PackExpectation, PackModel
 from kvpager.kvstore.publisher import RemotePublisher
+from kvpager.kvstore.sharded import ShardedTierStore
 from kvpager.model.parallel import TensorParallel
-from kvpager.worker.runner import ModelRunner
 from kvpager.worker.structured import GrammarCompiler
 
 logger = logging.getLogger("kvpager")
@@ -79,22 +79,15 @@ class Engine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         # NOTE: thread-safe; the server compiles a request's grammar here before adding it.
         self.grammar = GrammarCompiler(self.tokenizer.backend_json(), lm.spec.vocab_size, self.eos_token_ids)
-        self.runner = ModelRunner(
-            lm.model,
-            lm.spec,
-            num_blocks=lm.pool.num_blocks,
-            block_size=config.block_size,
-            kv_dtype=lm.kv_dtype,
-            device=lm.device,
+        self.runner = build_runner(
+            lm,
+            config,
+            self._parallel,
             eos_token_ids=self.eos_token_ids,
-            fp32_matmul_precision=config.fp32_matmul_precision,
-            seed=config.seed,
             grammar=self.grammar,
-            parallel=self._parallel,
-            on_step=self.executor.send_step if self.executor is not None else None,
+            on_step=self._broadcast_step if self.executor is not None else None,
         )
-        tiers = build_tiers(config, lm.fingerprint)
-        self.kv_store = TieredBlockStore(tiers, self.runner, lm.device) if tiers is not None else None
+        self.kv_store = build_store(config, lm.fingerprint, self.runner, lm.device, self.executor)
         self.kv_manager = KVCacheManager(
             block_size=config.block_size,
             num_blocks=lm.pool.num_blocks,
@@ -106,8 +99,8 @@ class Engine:
         # on eviction), so other replicas hit it while it is still on this device; the writes run on
         # the publisher's thread, never in a step.
         self.kv_publisher = None
-        if tiers is not None and tiers.remote is not None:
-            self.kv_publisher = RemotePublisher(tiers.remote, self.kv_manager.block_pool, self.runner)
+        if isinstance(self.kv_store, TieredBlockStore) and self.kv_store.tiers.remote is not None:
+            self.kv_publisher = RemotePublisher(self.kv_store.tiers.remote, self.kv_manager.block_pool, self.runner)
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -115,7 +108,8 @@ class Engine:
             block_size=config.block_size,
         )
         self.scheduler = Scheduler(sched_config, self.kv_manager)
-        self.kv_transfer = KVTransfer(self.kv_manager, self.runner, self.kv_expectation(), self.kv_store)
+        tiered = self.kv_store if isinstance(self.kv_store, TieredBlockStore) else None
+        self.kv_transfer = KVTransfer(self.kv_manager, self.runner, self.kv_expectation(), tiered)
         for path in config.kv_packs:
             num_blocks = self.kv_transfer.load_pack(path)
             logger.info("KV pack %s: %d blocks pinned in the prefix cache", path, num_blocks)
@@ -146,6 +140,13 @@ class Engine:
                 "a preloaded model cannot be used with tensor_parallel_size > 1 (each rank loads its shard)"
             )
         return TensorParallelExecutor(config, model_spec_of(config), resolve_device(config.device))
+
+    def _broadcast_step(self, out: SchedulerOutput, sampled: dict[RequestId, int]) -> None:
+        """The runner's `on_step` under tensor parallelism (with the tier work rank 0's store queued)."""
+        assert self.executor is not None
+        self.executor.broadcast_step(
+            out, sampled, self.kv_store if isinstance(self.kv_store, ShardedTierStore) else None
+        )
 
     @property
     def _parallel(self) -> TensorParallel | None:
@@ -372,11 +373,13 @@ class Engine:
         self.grammar.shutdown()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
+        written = 0
+        if self.kv_store is not None and self.dead_reason is None:  # NOTE: under TP every rank writes its shards
+            written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
         if self.executor is not None:
             self.executor.shutdown()
         if self.kv_store is None:
             return
-        written = self.kv_store.persist(self.kv_manager.block_pool.cached_blocks())
         self.kv_store.close()
         logger.info("KV tiers: %d blocks flushed to disk at shutdown", written)
 

@@ -6,13 +6,15 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kvpager.core.config import DTYPE_BYTES, DYNAMIC_ACTIVATION_QUANTIZATIONS, EngineConfig, resolve_dtype
-from kvpager.core.hashing import FingerprintComponent, model_fingerprint
+from kvpager.core.hashing import FingerprintComponent, RequestId, model_fingerprint
+from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
@@ -32,6 +34,8 @@ from kvpager.model.parallel import TensorParallel
 from kvpager.model.spec import ModelSpec, load_model_spec, spec_from_gguf
 from kvpager.text.gguf_tokenizer import tokenizer_from_gguf
 from kvpager.text.tokenizer import Tokenizer
+from kvpager.worker.runner import ModelRunner
+from kvpager.worker.structured import GrammarCompiler
 
 logger = logging.getLogger("kvpager")
 
@@ -71,6 +75,34 @@ class LoadedModel:
     pool: PoolSize
     weights_digest: str = ""  # what the fingerprint names the weights by ("dummy-<seed and shapes>" for dummy)
     config: EngineConfig | None = None  # the configuration with dtype resolved ("auto" -> the checkpoint's)
+
+
+def build_runner(
+    lm: LoadedModel,
+    config: EngineConfig,
+    parallel: TensorParallel | None,
+    *,
+    eos_token_ids: tuple[int, ...] = (),
+    grammar: GrammarCompiler | None = None,
+    on_step: Callable[[SchedulerOutput, dict[RequestId, int]], None] | None = None,
+) -> ModelRunner:
+    """The runner over a loaded model and its KV pool: the one construction rank 0 (the engine) and
+    every tensor-parallel worker share. The keywords are rank 0's (it samples, stops requests and
+    broadcasts each step); a worker passes none."""
+    return ModelRunner(
+        lm.model,
+        lm.spec,
+        num_blocks=lm.pool.num_blocks,
+        block_size=config.block_size,
+        kv_dtype=lm.kv_dtype,
+        device=lm.device,
+        eos_token_ids=eos_token_ids,
+        fp32_matmul_precision=config.fp32_matmul_precision,
+        seed=config.seed,
+        grammar=grammar,
+        parallel=parallel,
+        on_step=on_step,
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -225,8 +257,8 @@ def kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) -> 
         free, total = torch.cuda.mem_get_info(device)
         return default_cuda_kv_budget(free, total, config.gpu_memory_utilization, CUDA_ACTIVATION_RESERVE)
     # Weights are already resident, so MemAvailable no longer counts them. NOTE: the ranks of a
-    # tensor-parallel engine started on one machine share its RAM, so each takes its share.
-    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction / config.tensor_parallel_size)
+    # tensor-parallel engine on one machine (one node) share its RAM, so each takes its share.
+    return default_cpu_kv_budget(available_ram_bytes(), 0, config.cpu_kv_fraction / config.ranks_per_node)
 
 
 def available_ram_bytes() -> int:

@@ -1,25 +1,37 @@
-"""A tensor-parallel worker: ranks 1..N-1 of `--tensor-parallel-size N` (docs/scale-out.md).
+"""A tensor-parallel worker: one of ranks 1..N-1 of `--tensor-parallel-size N` (docs/scale-out.md).
 
 `python -m kvpager.engine.tp_worker` with torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK,
-WORLD_SIZE, LOCAL_RANK) and the engine's configuration as JSON in KVPAGER_TP_CONFIG. The engine
-starts these itself; nothing here assumes they share its machine. Each worker loads its shard,
-allocates its shard of the KV pool (the block count agreed with every rank), then runs every step
-rank 0 broadcasts until told to stop. It exits when rank 0 goes away (a failed collective, or on
-the engine's machine a parent that is gone).
+WORLD_SIZE, LOCAL_RANK) and the engine's configuration as JSON in KVPAGER_TP_CONFIG. Node 0's
+engine starts its local ones, a headless node (`engine/tp_node.py`) its own; the address is node 0's
+from the flags, never assumed local. Each worker joins the group (a master it cannot reach within
+--distributed-timeout is a clear error and exit 1), loads its shard, allocates its shard of the KV
+pool (the block count agreed with every rank), then runs every step rank 0 broadcasts (its share of
+the step's KV tier work first) until told to stop. A heartbeat thread tells rank 0 it is alive; the
+worker exits when rank 0 goes away (a failed collective or heartbeat, or a parent that is gone).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
+from typing import Any
 
 import torch
 
 from kvpager.core.step_codec import OP_STOP, decode_step
-from kvpager.engine.executor import CONFIG_ENV, config_from_json, init_rank
-from kvpager.engine.loading import load, model_spec_of, resolve_device
-from kvpager.worker.runner import ModelRunner
+from kvpager.engine.executor import (
+    CONFIG_ENV,
+    HEARTBEAT_INTERVAL_S,
+    RendezvousError,
+    agree_with_rank0,
+    config_from_json,
+    heartbeat_key,
+    init_rank,
+)
+from kvpager.engine.loading import build_runner, load, model_spec_of, resolve_device
+from kvpager.kvstore.sharded import build_rank_tiers, run_tier_ops
 
 logger = logging.getLogger("kvpager")
 
@@ -38,33 +50,49 @@ def main() -> None:
     device = resolve_device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    parallel = init_rank(
-        model_spec_of(config),
-        rank,
-        world_size,
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        device,
-        IDLE_TIMEOUT_S,
-    )
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        # NOTE: the rendezvous is bounded by --distributed-timeout; waiting for the next step is not
+        parallel = init_rank(
+            model_spec_of(config), rank, world_size, addr, port, device, config.distributed_timeout, IDLE_TIMEOUT_S
+        )
+    except RendezvousError as exc:
+        print(f"kvpager tp-worker: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    _heartbeat(parallel.store, rank)
+    disagreement = agree_with_rank0(parallel.store, config, rank)
+    if disagreement is not None:
+        print(f"kvpager tp-worker: error: {disagreement}", file=sys.stderr, flush=True)
+        sys.exit(1)
     lm = load(config, parallel)
-    runner = ModelRunner(
-        lm.model,
-        lm.spec,
-        num_blocks=lm.pool.num_blocks,
-        block_size=config.block_size,
-        kv_dtype=lm.kv_dtype,
-        device=lm.device,
-        eos_token_ids=(),
-        fp32_matmul_precision=config.fp32_matmul_precision,
-        parallel=parallel,
-    )
+    runner = build_runner(lm, config, parallel)
+    tiers = build_rank_tiers(config, lm.fingerprint, rank)  # NOTE: this rank's shards only
     while True:
         message = decode_step(parallel.broadcast_bytes(None))
-        if message.op == OP_STOP or message.output is None:
+        if message.op == OP_STOP:
             break
         runner.apply_sampled(message.sampled)
-        runner.execute(message.output)
+        if tiers is not None and not message.tier_ops.is_empty:
+            run_tier_ops(tiers, runner, message.tier_ops, parallel)
+        if message.output is not None:  # NOTE: None: tier work only (the engine persisting at shutdown)
+            runner.execute(message.output)
+
+
+def _heartbeat(store: Any, rank: int) -> None:
+    """Bump this rank's counter in rank 0's store every HEARTBEAT_INTERVAL_S (rank 0 watches it); exit
+    when the store is gone (rank 0's process or node is)."""
+
+    def beat() -> None:
+        key = heartbeat_key(rank)
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception as exc:
+                print(f"kvpager tp-worker rank {rank}: rank 0 is gone ({exc}); exiting", file=sys.stderr, flush=True)
+                os._exit(1)
+            threading.Event().wait(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="kvpager-tp-heartbeat", daemon=True).start()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -22,16 +22,30 @@ from kvpager.core.tensor_parallel import TensorParallelLayout, tensor_parallel_l
 from kvpager.model.spec import ModelSpec
 
 
-def join_group(rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float) -> Any:
-    """Rendezvous at host:port (rank 0 serves the store) and return (store, process group)."""
-    timeout = timedelta(seconds=timeout_s)
+def join_group(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    device: torch.device,
+    connect_timeout_s: float,
+    op_timeout_s: float | None = None,
+) -> Any:
+    """Rendezvous at host:port (rank 0 serves the store) and return (store, process group).
+
+    `connect_timeout_s` bounds the rendezvous (reaching the store, every rank joining);
+    `op_timeout_s` (default: the same) bounds each collective afterwards.
+    """
+    timeout = timedelta(seconds=connect_timeout_s)
+    op_timeout = timedelta(seconds=op_timeout_s if op_timeout_s is not None else connect_timeout_s)
     store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("kvpager-tp", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = op_timeout
         return store, dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return store, dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    group = dist.ProcessGroupGloo(prefixed, rank, world_size, op_timeout)
+    return store, group
 
 
 @dataclass(frozen=True)

@@ -155,11 +155,20 @@ class ModelRunner:
         NOTE: a view of the pool: encode or copy it before the block is reused.
         """
         self._check_whole_pool()
-        return self.kv_cache[:, :, block_id]
+        return self.read_shard(block_id)
 
     def write_block(self, block_id: int, block: torch.Tensor) -> None:
         """Copy `block` ([num_layers, 2, block_size, num_kv_heads, head_dim], any device) into the pool."""
         self._check_whole_pool()
+        self.write_shard(block_id, block)
+
+    def read_shard(self, block_id: int) -> torch.Tensor:
+        """This rank's part of block `block_id` (under tensor parallelism its KV heads only; without it
+        the whole block): a view [num_layers, 2, block_size, kv heads here, head_dim]."""
+        return self.kv_cache[:, :, block_id]
+
+    def write_shard(self, block_id: int, block: torch.Tensor) -> None:
+        """Copy this rank's part of a block (`read_shard`'s shape) into the pool."""
         self.kv_cache[:, :, block_id].copy_(block)
 
     def _check_whole_pool(self) -> None:
