@@ -337,7 +337,8 @@ def _dummy_sources(expected: dict[str, tuple[int, ...]], seed: int) -> dict[str,
             return lambda: torch.ones(shape)
         if name.endswith(".bias"):
             return lambda: torch.zeros(shape)
-        return lambda: torch.randn(shape, generator=gen) * DUMMY_STD
+        # NOTE: scaled in place: one float32 copy of the tensor at a time (the 8B embedding is 2 GiB)
+        return lambda: torch.randn(shape, generator=gen).mul_(DUMMY_STD)
 
     return {name: [_Source(shape, draw(name, shape))] for name, shape in expected.items()}
 
