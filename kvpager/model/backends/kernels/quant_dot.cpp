@@ -11,8 +11,8 @@
 // dequantized weight with x_hat, up to float32 rounding of the accumulation.
 // Groups must be multiples of 32 (a block never straddles two), or the whole row (int8 per channel).
 //
-// Two builds of quant_dot_body.inc, chosen per call: AVX2 (+ FMA present, not used: the scaling is a
-// multiply then an add, as the portable path does, so both give the same bits) and portable C++.
+// Two builds of quant_dot_body.inc, chosen per call: AVX2 + FMA and portable C++. Both scale with a
+// fused multiply-add (std::fma in the portable build: one rounding, as vfmadd), so both give the same bits.
 // A CPU with AVX-512 runs the AVX2 build (there is no AVX-512 / VNNI build).
 
 #include <omp.h>

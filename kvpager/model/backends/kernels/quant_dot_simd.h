@@ -6,8 +6,8 @@
 // products of a weight block and an activation block as 8 float32 lanes: lane l = the exact int32
 // sum of the products at stored positions 4l..4l+3 (what _mm256_maddubs_epi16 + _mm256_madd_epi16
 // leave), converted to float.
-// Both structs build the lanes, scale them (a multiply then an add, no fused multiply-add) and sum
-// them in the same order, so the portable and AVX2 paths agree bit for bit.
+// Both structs build the lanes, scale them (a fused multiply-add: rounded once) and sum them in the
+// same order, so the portable and AVX2 paths agree bit for bit.
 //
 // int4 blocks are the 16 bytes of two 8-byte spans (quant.cpp's layout): low nibbles = weights
 // 0..7 and 16..23, high nibbles = 8..15 and 24..31. The activation block is stored in that order
@@ -50,8 +50,8 @@ struct Portable {
   }
   static V zero() { return V{}; }
   static X load_x(const int8_t* q) { return q; }
-  static V madd(V acc, V a, float s) {  // acc + a * s, lane by lane
-    for (int l = 0; l < 8; ++l) acc.v[l] = acc.v[l] + a.v[l] * s;
+  static V madd(V acc, V a, float s) {  // acc + a * s, lane by lane, rounded once (a fused multiply-add)
+    for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(a.v[l], s, acc.v[l]);
     return acc;
   }
   static float hsum(V v) {  // the AVX2 order: halves, then pairs
@@ -106,7 +106,7 @@ struct Avx2 {
   }
   static V zero() { return _mm256_setzero_ps(); }
   static X load_x(const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
-  static V madd(V acc, V a, float s) { return _mm256_add_ps(acc, _mm256_mul_ps(a, _mm256_set1_ps(s))); }
+  static V madd(V acc, V a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
