@@ -58,7 +58,9 @@ def _llm(shape: str, fmt: str, workdir: Path, args: argparse.Namespace) -> LLM:
     return LLM(model=str(path), load_format="dummy", **common)
 
 
-def _decode_rate(llm: LLM, batch: int, args: argparse.Namespace, seed: int) -> float:
+def _rates(llm: LLM, batch: int, args: argparse.Namespace, seed: int) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s): the prefill rate is batch * input_len over the 1-token run (as
+    llama-bench's pp figure: the prompt's forward pass and one sampled token)."""
     vocab = llm.engine.loaded.spec.vocab_size
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (args.input_len,), generator=g).tolist() for _ in range(batch)]
@@ -72,7 +74,7 @@ def _decode_rate(llm: LLM, batch: int, args: argparse.Namespace, seed: int) -> f
     if decode_s <= 0:
         # Timing noise larger than the decode phase itself: no rate can be read from this phase.
         raise SystemExit(f"decode phase of {args.output_len} tokens took no measurable time; raise --output-len")
-    return batch * args.output_len / decode_s
+    return batch * args.output_len / decode_s, batch * args.input_len / times[0]
 
 
 def main() -> None:
@@ -90,18 +92,25 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
+    prefill_results: dict[str, dict[str, dict[str, list[float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
             llms = {dtype: _llm(shape, dtype, Path(tmp), args) for dtype in dtypes}
             rates: dict[str, dict[str, list[float]]] = {d: {str(b): [] for b in batches} for d in dtypes}
+            prefill: dict[str, dict[str, list[float]]] = {d: {str(b): [] for b in batches} for d in dtypes}
             for r in range(args.rounds):
                 order = dtypes if r % 2 == 0 else dtypes[::-1]
                 for batch in batches:
                     for dtype in order:
-                        rate = _decode_rate(llms[dtype], batch, args, seed=r)
+                        rate, pp = _rates(llms[dtype], batch, args, seed=r)
                         rates[dtype][str(batch)].append(rate)
-                        print(f"{shape} round {r} batch {batch} {dtype}: {rate:.2f} tok/s", flush=True)
+                        prefill[dtype][str(batch)].append(pp)
+                        print(
+                            f"{shape} round {r} batch {batch} {dtype}: {rate:.2f} tok/s decode, {pp:.1f} tok/s prefill",
+                            flush=True,
+                        )
             results[shape] = rates
+            prefill_results[shape] = prefill
             del llms
             gc.collect()
     print(f"\nmedian decode tok/s (ratio to {dtypes[0]})")
@@ -113,8 +122,18 @@ def main() -> None:
                 m = statistics.median(rates[dtype][str(batch)])
                 cells.append(f"{dtype} {m:.2f}" + (f" ({m / base:.2f}x)" if base else ""))
             print(f"{shape:>14} batch {batch:>2}: " + ", ".join(cells))
+    print(f"\nmedian prefill tok/s ({args.input_len}-token prompts)")
+    for shape, pre in prefill_results.items():
+        for batch in batches:
+            cells = [f"{dtype} {statistics.median(pre[dtype][str(batch)]):.1f}" for dtype in dtypes]
+            print(f"{shape:>14} batch {batch:>2}: " + ", ".join(cells))
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rates": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"args": vars(args) | {"json": str(args.json)}, "rates": results, "prefill_rates": prefill_results},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":
