@@ -3,7 +3,12 @@ power-of-two routing, and N with the KV-aware router plus a shared KV store, sid
 
 Workload (seeded): C conversations of T turns each; every conversation opens with the same system
 prompt, and each turn appends a user message to the whole history (previous prompts and answers).
-Conversations run concurrently; the turns of one conversation run in order.
+Conversations run concurrently; the turns of one conversation run in order. `--max-tokens MIN:MAX`
+draws each answer's length and `--think-ms MIN:MAX` a pause before each later turn (seeded, the same
+for every setting): with one fixed length and no pause the conversations advance in lockstep, and
+round-robin then sends every conversation to the same replica turn after turn (request k of each
+round goes to replica k mod N), which is sticky routing by accident, not what round-robin does
+under real traffic.
 
 For each setting the script reports:
 - prefill tokens: prompt tokens the replicas computed (prompt - cached), summed over all requests;
@@ -28,6 +33,7 @@ Backends:
   workload goes to each.
 
     python scripts/bench_multiturn.py --conversations 32 --turns 6
+    python scripts/bench_multiturn.py --conversations 32 --turns 6 --max-tokens 8:56 --think-ms 0:400
     python scripts/bench_multiturn.py --conversations 2 --turns 2 --system-tokens 32 --user-tokens 8 \
         --max-tokens 2 --kv-cache-memory 4MiB    # smoke run on the bundled demo model
 """
@@ -81,6 +87,7 @@ class Result:
     name: str
     turns: dict[int, Turn] = field(default_factory=lambda: defaultdict(Turn))
     wall_s: float = 0.0
+    routed: list[int] = field(default_factory=list)  # requests per replica (local backend)
 
     def add(self, turn: int, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
         entry = self.turns[turn]
@@ -113,6 +120,7 @@ class Result:
             "ttft_p50_s": p50,
             "ttft_p90_s": p90,
             "wall_s": self.wall_s,
+            "routed": self.routed,
             "turns": turns,
         }
 
@@ -123,6 +131,7 @@ class Result:
         lines = [
             f"{self.name:<16} prefill tokens {self.prefill_tokens:>8} / {self.prompt_tokens:<8} hit {hit:6.1%}  "
             f"TTFT p50 {p50 * 1e3:8.1f} ms  p90 {p90 * 1e3:8.1f} ms  wall {self.wall_s:6.1f} s"
+            + (f"  requests per replica {'/'.join(map(str, self.routed))}" if self.routed else "")
         ]
         for index in sorted(self.turns):
             turn = self.turns[index]
@@ -134,15 +143,43 @@ class Result:
         return lines
 
 
-def workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
-    """The shared system prompt and, per conversation, each turn's user message (token ids)."""
+@dataclass(frozen=True)
+class TurnPlan:
+    user: list[int]  # the user message's token ids
+    answer_tokens: int  # the answer's length (max_tokens, EOS ignored)
+    think_s: float  # the pause before this turn is sent (0 for the first)
+
+
+def span(text: str, name: str) -> tuple[float, float]:
+    """ "N" or "MIN:MAX" as (MIN, MAX); ValueError naming the flag otherwise."""
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = float(lo), float(hi or lo)
+    except ValueError:
+        raise ValueError(f"{name} must be N or MIN:MAX, got {text!r}") from None
+    if low < 0 or high < low:
+        raise ValueError(f"{name} must be N or MIN:MAX with 0 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[TurnPlan]]]:
+    """The shared system prompt and, per conversation, each turn's plan (seeded)."""
     rng = random.Random(args.seed)
     system = [rng.randrange(5, vocab) for _ in range(args.system_tokens)]
-    users = [
-        [[rng.randrange(5, vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)]
-        for _ in range(args.conversations)
-    ]
-    return system, users
+    answer_lo, answer_hi = (int(v) for v in span(args.max_tokens, "--max-tokens"))
+    think_lo, think_hi = span(args.think_ms, "--think-ms")
+    if answer_lo < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens!r}")
+    plans = []
+    for _ in range(args.conversations):
+        turns = []
+        for turn in range(args.turns):
+            user = [rng.randrange(5, vocab) for _ in range(args.user_tokens)]
+            answer = rng.randint(answer_lo, answer_hi)
+            think = rng.uniform(think_lo, think_hi) / 1e3 if turn else 0.0
+            turns.append(TurnPlan(user, answer, think))
+        plans.append(turns)
+    return system, plans
 
 
 class LocalReplicas:
@@ -163,7 +200,8 @@ class LocalReplicas:
             self.engines.append(AsyncEngine(engine))
         self.fingerprint = self.engines[0].engine.loaded.fingerprint
         self.block_size = config.block_size
-        self._routed = [0] * num
+        self._routed = [0] * num  # the KV-aware router's own count (its tie-break)
+        self.routed = [0] * num  # requests sent to each replica, every router
         self._round_robin = itertools.cycle(range(num))
         self._rng = random.Random(seed)
         for engine in self.engines:
@@ -190,7 +228,9 @@ class LocalReplicas:
         return choice
 
     async def run(self, prompt: list[int], params: SamplingParams, request_id: str) -> tuple[list[int], int, float]:
-        engine = self.engines[self.route(prompt)]
+        index = self.route(prompt)
+        self.routed[index] += 1
+        engine = self.engines[index]
         final = None
         async for out in engine.generate(prompt, params, request_id):
             final = out
@@ -202,22 +242,22 @@ class LocalReplicas:
             engine.shutdown()
 
 
-async def conversation(
-    index: int, run: Any, system: list[int], users: list[list[int]], max_tokens: int, result: Result
-) -> None:
+async def conversation(index: int, run: Any, system: list[int], plans: list[TurnPlan], result: Result) -> None:
     history = list(system)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for turn, user in enumerate(users):
-        prompt = history + user
+    for turn, plan in enumerate(plans):
+        if plan.think_s:
+            await asyncio.sleep(plan.think_s)
+        params = SamplingParams(temperature=0.0, max_tokens=plan.answer_tokens, ignore_eos=True)
+        prompt = history + plan.user
         answer, cached, ttft = await run(prompt, params, f"c{index}-t{turn}")
         result.add(turn, len(prompt), cached, ttft)
         history = prompt + answer
 
 
-async def run_setting(name: str, run: Any, system: list[int], users: list[list[list[int]]], max_tokens: int) -> Result:
+async def run_setting(name: str, run: Any, system: list[int], plans: list[list[TurnPlan]]) -> Result:
     result = Result(name)
     start = time.perf_counter()
-    await asyncio.gather(*(conversation(i, run, system, u, max_tokens, result) for i, u in enumerate(users)))
+    await asyncio.gather(*(conversation(i, run, system, p, result) for i, p in enumerate(plans)))
     result.wall_s = time.perf_counter() - start
     return result
 
@@ -282,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=48)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", default="32", help="answer tokens per turn: N, or MIN:MAX drawn per turn")
+    p.add_argument("--think-ms", default="0", help="pause before each later turn: N, or MIN:MAX drawn per turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replicas", type=int, default=2, help="N, for every setting but `single`")
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled demo model)")
@@ -302,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown --settings {', '.join(unknown)}; pick from {', '.join(SETTINGS)}")
     if args.replicas < 1 or args.conversations < 1 or args.turns < 1:
         p.error("--replicas, --conversations and --turns must be >= 1")
+    try:
+        workload(args, vocab=16)  # checks --max-tokens / --think-ms before anything starts
+    except ValueError as exc:
+        p.error(str(exc))
 
     from kvpager.engine.args import parse_bytes
 
@@ -323,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             system, users = workload(args, vocab=4096)
             for name, url in urls:
                 runner = http_runner(url, args.served_model_name)
-                results.append(asyncio.run(run_setting(name, runner, system, users, args.max_tokens)))
+                results.append(asyncio.run(run_setting(name, runner, system, users)))
         else:
             for name in settings:
                 extra: dict[str, Any] = {}
@@ -336,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                 replicas = LocalReplicas(EngineConfig(**base, **extra), num, router, args.seed)
                 system, users = workload(args, vocab=replicas.engines[0].engine.model_spec.vocab_size)
                 try:
-                    results.append(asyncio.run(run_setting(name, replicas.run, system, users, args.max_tokens)))
+                    results.append(asyncio.run(run_setting(name, replicas.run, system, users)))
+                    results[-1].routed = list(replicas.routed)
                 finally:
                     replicas.shutdown()
     finally:

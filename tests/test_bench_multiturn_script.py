@@ -21,7 +21,7 @@ def test_bench_multiturn_reports_every_setting_per_turn(tmp_path: Path) -> None:
     server_binary()  # the kv-aware+store setting starts its own store
     out = tmp_path / "multiturn.json"
     args = ["--conversations", "2", "--turns", "2", "--system-tokens", "32", "--user-tokens", "8"]
-    args += ["--max-tokens", "2", "--kv-cache-memory", "4MiB", "--json-out", str(out)]
+    args += ["--max-tokens", "1:3", "--think-ms", "0:5", "--kv-cache-memory", "4MiB", "--json-out", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
@@ -35,6 +35,14 @@ def test_bench_multiturn_reports_every_setting_per_turn(tmp_path: Path) -> None:
         assert [t["turn"] for t in result["turns"]] == [1, 2], name
         assert all(t["ttft_p50_s"] > 0 and 0 <= t["hit_rate"] < 1 for t in result["turns"]), name
         assert result["prefill_tokens"] == round(result["prompt_tokens"] * (1 - result["hit_rate"]))
+    for name, result in results.items():  # every request was routed once
+        assert sum(result["routed"]) == 4 and len(result["routed"]) == (1 if name == "single" else 2), name
     for name in ("single", "kv-aware", "kv-aware+store"):  # turn 2 finds its history where it was computed
         assert results[name]["turns"][1]["hit_rate"] > 0.5, name
     assert "turn 2" in proc.stdout and "kv-aware+store" in proc.stdout
+
+
+@pytest.mark.parametrize("flag, value", [("--think-ms", "5:1"), ("--max-tokens", "0"), ("--max-tokens", "a:b")])
+def test_bench_multiturn_refuses_a_bad_span_naming_the_flag(flag: str, value: str) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), flag, value], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and flag in proc.stderr, proc.stderr[-2000:]
