@@ -92,7 +92,7 @@ class QuantKernels:
         """One line for the start-up log: the integer-dot path (w8a8_int8 / w4a8_int8) and why."""
         chosen = int(self.dot_level(self.default_level))
         if chosen == LEVEL_AVX2:
-            how = "_mm256_maddubs_epi16 + _mm256_madd_epi16"
+            how = "int8: _mm256_maddubs_epi16 + _mm256_madd_epi16, int4: _mm_maddubs_epi16 x 2 + _mm_madd_epi16"
             why = (
                 "this CPU has AVX-512; there is no AVX-512/VNNI build of it"
                 if self.best_level > LEVEL_AVX2

@@ -3,9 +3,12 @@
 // A block is 32 activations quantized to int8 with one float32 scale d (symmetric, d = max|x| / 127,
 // q = round-half-even(x / d)). w_i8 / w_i4 load a weight block (S::W: int4 codes unpacked, int8 with
 // their absolute values), once for every input row it meets; dot_i8 / dot_i4 return the integer
-// products of a weight block and an activation block as 8 float32 lanes: lane l = the exact int32
-// sum of the products at stored positions 4l..4l+3 (what _mm256_maddubs_epi16 + _mm256_madd_epi16
-// leave), converted to float.
+// products of a weight block and an activation block as float32 lanes, each the exact int32 sum of
+// some of the 32 products, converted to float: int8 (dot_i8) gives 8 lanes, lane l = stored positions
+// 4l..4l+3 (what _mm256_maddubs_epi16 + _mm256_madd_epi16 leave); int4 (dot_i4) gives 4 lanes (V4),
+// lane l = positions 4l..4l+3 and 16+4l..16+4l+3 (two 128-bit _mm_maddubs_epi16, one per nibble
+// half, added as int16, then _mm_madd_epi16: fewer multiply-port operations than one 256-bit pass,
+// and 256-bit operations cost two on CPUs that split them, such as AMD Zen 1).
 // Both structs build the lanes, scale them (a fused multiply-add: rounded once) and sum them in the
 // same order, so the portable and AVX2 paths agree bit for bit.
 //
@@ -34,7 +37,11 @@ struct Portable {
   struct V {
     float v[8];
   };
+  struct V4 {
+    float v[4];
+  };
   using X = const int8_t*;  // an activation block
+  using X4 = X;
   struct W {                 // a weight block: int8 values, or int4 codes in stored order
     int16_t v[kBlock];
   };
@@ -43,16 +50,27 @@ struct Portable {
     for (int p = 0; p < kBlock; ++p) r.v[p] = w[p];
     return r;
   }
-  static W w_i4(const uint8_t* w) {
+  using W4 = W;
+  static W4 w_i4(const uint8_t* w) {
     W r;
     for (int p = 0; p < kBlock; ++p) r.v[p] = p < 16 ? (w[p] & 0xF) : (w[p - 16] >> 4);
     return r;
   }
   static V zero() { return V{}; }
+  static V4 zero4() { return V4{}; }
   static X load_x(const int8_t* q) { return q; }
+  static X4 load_x4(const int8_t* q) { return q; }
   static V madd(V acc, V a, float s) {  // acc + a * s, lane by lane, rounded once (a fused multiply-add)
     for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(a.v[l], s, acc.v[l]);
     return acc;
+  }
+  static V4 madd(V4 acc, V4 a, float s) {
+    for (int l = 0; l < 4; ++l) acc.v[l] = std::fma(a.v[l], s, acc.v[l]);
+    return acc;
+  }
+  static float hsum(V4 v) {  // _mm_movehl_ps then a shuffle: (0 + 2) + (1 + 3)
+    const float a = v.v[0] + v.v[2], b = v.v[1] + v.v[3];
+    return a + b;
   }
   static float hsum(V v) {  // the AVX2 order: halves, then pairs
     float s[4];
@@ -70,7 +88,16 @@ struct Portable {
     return r;
   }
   static V dot_i8(const W& w, X x) { return dot(w, x); }
-  static V dot_i4(const W& w, X x) { return dot(w, x); }
+  static V4 dot_i4(const W4& w, X4 x) {
+    V4 r;
+    for (int l = 0; l < 4; ++l) {
+      int32_t t = 0;
+      for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(w.v[4 * l + e]) * x[4 * l + e];
+      for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(w.v[16 + 4 * l + e]) * x[16 + 4 * l + e];
+      r.v[l] = static_cast<float>(t);
+    }
+    return r;
+  }
   // Quantizes x[0..n) (n <= 32; the rest of the block is zero) into q (32 bytes); returns d.
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     float amax = 0.0f;
@@ -91,22 +118,39 @@ struct Portable {
 KVQ_PUSH_AVX2
 struct Avx2 {
   using V = __m256;
+  using V4 = __m128;
   using X = __m256i;
-  struct W {  // int8: the values and their absolute values; int4: the codes (abs unused)
+  struct X4 {  // an int4-ordered activation block: positions 0..15 and 16..31
+    __m128i lo, hi;
+  };
+  struct W {  // int8: the values and their absolute values
     __m256i v, abs;
+  };
+  struct W4 {  // int4: the codes at positions 0..15 (low nibbles) and 16..31 (high nibbles)
+    __m128i lo, hi;
   };
   static W w_i8(const int8_t* w) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     return W{v, _mm256_abs_epi8(v)};
   }
-  static W w_i4(const uint8_t* w) {
+  static W4 w_i4(const uint8_t* w) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-    return W{codes, codes};
+    return W4{_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m)};
   }
   static V zero() { return _mm256_setzero_ps(); }
+  static V4 zero4() { return _mm_setzero_ps(); }
   static X load_x(const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
+  static X4 load_x4(const int8_t* q) {
+    return X4{_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))};
+  }
   static V madd(V acc, V a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
+  static V4 madd(V4 acc, V4 a, float s) { return _mm_fmadd_ps(a, _mm_set1_ps(s), acc); }
+  static float hsum(V4 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -118,8 +162,11 @@ struct Avx2 {
     // |w| * (x with w's sign) = w * x; |w|, |x| <= 127, so a pair sum fits int16 without saturating
     return pairs(_mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.v)));
   }
-  static V dot_i4(const W& w, X x) {
-    return pairs(_mm256_maddubs_epi16(w.v, x));  // codes 0..15 unsigned: no sign trick needed
+  static V4 dot_i4(const W4& w, X4 x) {
+    // codes 0..15 are unsigned (no sign trick); a pair sum is at most 2 * 15 * 127, so the two halves'
+    // int16 sums add without saturating
+    const __m128i p16 = _mm_add_epi16(_mm_maddubs_epi16(w.lo, x.lo), _mm_maddubs_epi16(w.hi, x.hi));
+    return _mm_cvtepi32_ps(_mm_madd_epi16(p16, _mm_set1_epi16(1)));
   }
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     alignas(32) float buf[kBlock];
