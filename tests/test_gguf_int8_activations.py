@@ -98,3 +98,15 @@ def test_flag_with_quantization_is_refused() -> None:
 def test_flag_on_a_safetensors_checkpoint_is_refused(llama_checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="applies to GGUF files"):
         load_model(llama_checkpoint, dtype=torch.float32, device="cpu", gguf_int8_activations=True)
+
+
+def test_flag_with_tensor_parallelism_is_refused() -> None:
+    with pytest.raises(ValueError, match="--gguf-int8-activations cannot be combined with --tensor-parallel-size"):
+        EngineConfig(model=str(DATA / FILES[0]), tensor_parallel_size=2, gguf_int8_activations=True)
+
+
+def test_flag_where_the_file_is_dequantized_is_refused() -> None:
+    # CUDA and tensor parallelism dequantize GGUF blocks the same way gguf_dequantize does: the flag
+    # would change nothing there, so it is refused instead of ignored
+    with pytest.raises(ValueError, match=r"GGUF weights are dequantized \(floats asked for\)"):
+        load_model(DATA / FILES[0], dtype=torch.float32, device="cpu", gguf_dequantize=True, gguf_int8_activations=True)

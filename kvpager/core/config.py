@@ -192,6 +192,11 @@ class EngineConfig:
             "--kernel-backend cpu cannot be combined with --tensor-parallel-size > 1 (the fused kernels do not "
             "all-reduce between layers); use auto or torch",
         )
+        _check(
+            not self.gguf_int8_activations,
+            "--gguf-int8-activations cannot be combined with --tensor-parallel-size > 1 (each rank slices "
+            "dequantized GGUF weights, so the file's blocks never reach the integer-dot kernels)",
+        )
 
     def _check_nodes(self) -> None:
         n, nodes = self.tensor_parallel_size, self.nnodes

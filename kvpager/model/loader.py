@@ -123,18 +123,26 @@ def load_model(
             sources = _dummy_sources(full_shapes, seed)
         elif gguf_model is not None:
             kernels = device.type == "cpu" and quant_kernels_or_none() is not None
+            native = kernels and not gguf_dequantize and parallel is None
+            not_native_reason = (
+                f"no packed-weight kernels on {device.type}"
+                if not kernels
+                else "tensor parallelism slices float weights"
+                if parallel is not None
+                else "floats asked for"
+            )
+            if gguf_int8_activations and not native:
+                # the flag would silently change nothing: the file's blocks are dequantized here
+                raise ValueError(
+                    "--gguf-int8-activations runs the file's blocks through the CPU integer-dot kernels, "
+                    f"but here the GGUF weights are dequantized ({not_native_reason})"
+                )
             gguf = GGUFWeights(
                 gguf_model,
                 spec,
                 dtype,
-                native=kernels and not gguf_dequantize and parallel is None,
-                not_native_reason=(
-                    f"no packed-weight kernels on {device.type}"
-                    if not kernels
-                    else "tensor parallelism slices float weights"
-                    if parallel is not None
-                    else "floats asked for"
-                ),
+                native=native,
+                not_native_reason=not_native_reason,
                 quantization=quantization,
                 quantization_group_size=quantization_group_size,
                 vector_dtype=compute_dtype(dtype, device),
