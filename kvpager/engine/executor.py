@@ -33,7 +33,7 @@ from kvpager.core.limits import RequestLimits
 from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.step_codec import OP_STEP, OP_STOP, StepMessage, TierOps, encode_step
 from kvpager.kvstore.offload import TieredBlockStore, build_tiers
-from kvpager.kvstore.sharded import ShardedTierStore, build_rank_tiers
+from kvpager.kvstore.sharded import RankKV, ShardedBlockIO, ShardedTierStore, build_rank_kv
 from kvpager.model.parallel import TensorParallel, join_group, layout_for
 from kvpager.model.spec import ModelSpec
 from kvpager.worker.runner import ModelRunner
@@ -247,6 +247,10 @@ class TensorParallelExecutor:
         if store is not None and not ops.is_empty:
             store.run(ops)
 
+    def send_tier_ops(self, ops: TierOps) -> None:
+        """Broadcast tier work alone (no step): publishes, KV pack blocks, the persist at shutdown."""
+        self.send_step(StepMessage(OP_STEP, tier_ops=ops))
+
     def send_step(self, message: StepMessage) -> None:
         """Broadcast one step message to every rank."""
         self.check_alive()
@@ -347,12 +351,19 @@ def build_store(
     if executor is None:
         tiers = build_tiers(config, fingerprint)
         return TieredBlockStore(tiers, io, device) if tiers is not None else None
-    rank_tiers = build_rank_tiers(config, fingerprint, 0)
-    if rank_tiers is None:
+    rank = build_rank_kv(config, fingerprint, io, executor.parallel)
+    if rank.tiers is None:
         return None
-    return ShardedTierStore(
-        rank_tiers, io, executor.parallel, lambda ops: executor.send_step(StepMessage(OP_STEP, tier_ops=ops))
-    )
+    return ShardedTierStore(rank, executor.send_tier_ops)
+
+
+def sharded_block_io(
+    executor: TensorParallelExecutor, io: ModelRunner, store: TieredBlockStore | ShardedTierStore | None
+) -> ShardedBlockIO:
+    """Rank 0's whole-block reads and writes (KV packs, imports) under tensor parallelism."""
+    if isinstance(store, ShardedTierStore):
+        return ShardedBlockIO(store.rank, executor.send_tier_ops, store)
+    return ShardedBlockIO(RankKV(None, io, executor.parallel), executor.send_tier_ops, None)
 
 
 def _free_port(addr: str) -> int:
