@@ -20,7 +20,7 @@ from kvpager.core.request import Request, RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
-from kvpager.engine.executor import TensorParallelExecutor, build_store, sharded_block_io
+from kvpager.engine.executor import TensorParallelExecutor, build_store, sharded_block_io, share_fingerprint
 from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
 from kvpager.engine.loading import LoadedModel, build_runner, load, log_pool, model_spec_of, resolve_device
 from kvpager.engine.output_processor import OutputProcessor
@@ -70,6 +70,8 @@ class Engine:
                 self.executor.abort()
             raise
         lm = self.loaded
+        if self.executor is not None:
+            share_fingerprint(self.executor.parallel.store, lm.fingerprint)
         self.config = lm.config if lm.config is not None else config  # NOTE: dtype resolved ("auto")
         self.tokenizer = lm.tokenizer
         self.model_spec = lm.spec

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -76,6 +77,19 @@ AGREED_FIELDS = (
     "kv_codec",
 )
 CONFIG_KEY = "kvpager-tp/config"
+FINGERPRINT_KEY = "kvpager-tp/fingerprint"  # rank 0's model fingerprint (the other ranks do not hash weights)
+FINGERPRINT_WAIT_S = 24 * 3600.0  # a worker waits for rank 0's load (hashing big weights takes a while)
+
+
+def share_fingerprint(store: Any, fingerprint: bytes) -> None:
+    """Rank 0: publish the model fingerprint its blocks are hashed under (for the ranks' KV tiers)."""
+    store.set(FINGERPRINT_KEY, fingerprint.hex())
+
+
+def rank0_fingerprint(store: Any) -> bytes:
+    """A worker: rank 0's model fingerprint (waits until rank 0 has loaded its model)."""
+    store.wait([FINGERPRINT_KEY], timedelta(seconds=FINGERPRINT_WAIT_S))
+    return bytes.fromhex(store.get(FINGERPRINT_KEY).decode("ascii"))
 
 
 def _agreement_key(rank: int) -> str:

@@ -29,6 +29,7 @@ from kvpager.engine.executor import (
     config_from_json,
     heartbeat_key,
     init_rank,
+    rank0_fingerprint,
 )
 from kvpager.engine.loading import build_runner, load, model_spec_of, resolve_device
 from kvpager.kvstore.shard_ops import run_tier_ops
@@ -67,7 +68,8 @@ def main() -> None:
         sys.exit(1)
     lm = load(config, parallel)
     runner = build_runner(lm, config, parallel)
-    kv = build_rank_kv(config, lm.fingerprint, runner, parallel)  # NOTE: this rank's shards only
+    fingerprint = rank0_fingerprint(parallel.store)  # NOTE: shard records name the model as rank 0 does
+    kv = build_rank_kv(config, fingerprint, runner, parallel)  # NOTE: this rank's shards only
     try:
         while True:
             message = decode_step(parallel.broadcast_bytes(None))
