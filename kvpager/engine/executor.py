@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -79,6 +78,7 @@ AGREED_FIELDS = (
 CONFIG_KEY = "kvpager-tp/config"
 FINGERPRINT_KEY = "kvpager-tp/fingerprint"  # rank 0's model fingerprint (the other ranks do not hash weights)
 FINGERPRINT_WAIT_S = 24 * 3600.0  # a worker waits for rank 0's load (hashing big weights takes a while)
+FINGERPRINT_POLL_S = 0.05
 
 
 def share_fingerprint(store: Any, fingerprint: bytes) -> None:
@@ -87,8 +87,16 @@ def share_fingerprint(store: Any, fingerprint: bytes) -> None:
 
 
 def rank0_fingerprint(store: Any) -> bytes:
-    """A worker: rank 0's model fingerprint (waits until rank 0 has loaded its model)."""
-    store.wait([FINGERPRINT_KEY], timedelta(seconds=FINGERPRINT_WAIT_S))
+    """A worker: rank 0's model fingerprint (waits until rank 0 has loaded its model).
+
+    NOTE: polls with `check` rather than a blocking `wait`, which would hold the store's client and
+    stall the heartbeat thread's calls on it (rank 0 would take the worker for dead).
+    """
+    deadline = time.monotonic() + FINGERPRINT_WAIT_S
+    while not store.check([FINGERPRINT_KEY]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 published no model fingerprint within {FINGERPRINT_WAIT_S:g} s")
+        threading.Event().wait(FINGERPRINT_POLL_S)
     return bytes.fromhex(store.get(FINGERPRINT_KEY).decode("ascii"))
 
 
