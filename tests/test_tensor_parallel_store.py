@@ -36,7 +36,6 @@ PROMPTS = {
     "garbled": "Memory management is the heart of serving: every block of the cache is a page of state.",
     "deleted": "A tensor-parallel engine splits the heads of attention over ranks that all reduce twice.",
     "late1": "Peter Piper picked a peck of pickled peppers; where is the peck that Peter Piper picked?",
-    "late2": "How much wood would a woodchuck chuck if a woodchuck could chuck wood, the riddle asks.",
 }
 RANK1 = KVShard(1, 1, 2)  # the llama checkpoint's 2 KV heads: rank 0 holds head 0, rank 1 head 1
 
@@ -114,7 +113,7 @@ def test_tp2_replica_serves_a_prefix_from_the_store_only_when_every_shard_is_goo
         stats = b.kv_tier_stats().remote
         assert stats is not None and stats.hits >= len(hashes["served"])
 
-        for i, name in enumerate(("late1", "late2", "served")):
+        for i, name in enumerate(("late1", "served")):
             b.add_request(f"{name}-{i}", PROMPTS[name], GREEDY)
         done: dict[str, list[int]] = {}
         steps = 0
@@ -126,7 +125,7 @@ def test_tp2_replica_serves_a_prefix_from_the_store_only_when_every_shard_is_goo
                 if out.finished:
                     done[out.request_id.split("-")[0]] = list(out.outputs[0].token_ids)
         assert steps > 3, "the store was killed after the requests were done"
-        assert done == {name: cold[name] for name in ("late1", "late2", "served")}
+        assert done == {name: cold[name] for name in ("late1", "served")}
         assert b.dead_reason is None
     finally:
         b.shutdown()
