@@ -110,7 +110,7 @@ def test_a_full_publisher_queue_drops_its_oldest_block_and_never_waits() -> None
     pool.cache_block(block_ids[0], hashes[0])
     assert publisher.flush() == 1
     deadline = time.monotonic() + 10
-    while not publisher._busy and time.monotonic() < deadline:  # the thread is now stuck in `put`
+    while not publisher.writer._busy and time.monotonic() < deadline:  # the thread is now stuck in `put`
         time.sleep(0.01)
     for block_id, block_hash in zip(block_ids[1:], hashes[1:], strict=True):
         pool.cache_block(block_id, block_hash)

@@ -90,7 +90,14 @@ def test_step_message_round_trips_as_json() -> None:
         finished_ids=(RequestId("d"),),
     )
     h1, h2 = BlockHash(bytes(range(32))), BlockHash(b"\xff" * 32)
-    ops = TierOps(offloads=((7, h1),), loads=((3, ((h2, 4), (h1, 9))),), flush=True)
+    ops = TierOps(
+        offloads=((7, h1),),
+        publishes=((5, h2),),
+        loads=((3, ((h2, 4), (h1, 9))),),
+        fills=(2, 8),
+        gathers=(6,),
+        flush=True,
+    )
     message = StepMessage(OP_STEP, out, {RequestId("b"): 42}, ops)
     payload = encode_step(message)
     json.loads(payload)  # plain JSON: no pickle anywhere
@@ -113,8 +120,6 @@ def test_config_travels_to_the_workers_as_json() -> None:
     ("fields", "message"),
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
-        ({"kv_cache_remote": "redis://h:1"}, "--kv-cache-remote cannot be combined with --tensor-parallel-size 2"),
-        ({"kv_packs": ("p.kvpack",)}, "--kv-pack cannot be combined with --tensor-parallel-size 2"),
         ({"nnodes": 3}, "--tensor-parallel-size 2 is not a multiple of --nnodes 3"),
         ({"nnodes": 2}, "--nnodes 2 needs --master-addr"),
         (
@@ -131,11 +136,13 @@ def test_config_refuses_what_tensor_parallelism_cannot_do(fields: dict[str, obje
         EngineConfig(**base)  # type: ignore[arg-type]
 
 
-def test_host_and_disk_tiers_are_accepted_with_tensor_parallelism_and_nodes_split_the_ranks() -> None:
+def test_every_kv_tier_and_packs_are_accepted_with_tensor_parallelism_and_nodes_split_the_ranks() -> None:
     config = EngineConfig(
         tensor_parallel_size=4,
         host_kv_cache_memory=1 << 20,
         kv_cache_dir="kv",
+        kv_cache_remote="redis://10.0.0.2:6379",
+        kv_packs=("system.kvpack",),
         nnodes=2,
         node_rank=1,
         distributed_master_addr="10.0.0.1",

@@ -174,19 +174,8 @@ class EngineConfig:
         self._check_nodes()
         if n == 1:
             return
-        # NOTE: the host and disk tiers work under tensor parallelism (each rank keeps its shards:
-        # kvstore/sharded.py); the shared store and packs hold whole blocks in one key or file, and are refused.
-        tiers = {
-            "--kv-cache-remote": self.kv_cache_remote is not None,
-            "--kv-pack": bool(self.kv_packs),
-        }
-        used = [flag for flag, on in tiers.items() if on]
-        _check(
-            not used,
-            f"{', '.join(used)} cannot be combined with --tensor-parallel-size {n} yet (the shared store and KV "
-            "packs hold whole blocks; each rank holds a shard of every block). --host-kv-cache-memory and "
-            "--kv-cache-dir work with tensor parallelism",
-        )
+        # NOTE: every KV tier and KV packs work under tensor parallelism (each rank keeps its shards:
+        # kvpager/kvstore/sharded.py); only the fused CPU kernels do not.
         _check(
             self.kernel_backend != "cpu",
             "--kernel-backend cpu cannot be combined with --tensor-parallel-size > 1 (the fused kernels do not "

@@ -4,7 +4,8 @@ Rank 0 runs the scheduler and samples; every other rank runs the same forward on
 step rank 0 sends them one `StepMessage` (docs/scale-out.md): the plain-data `SchedulerOutput` and
 the tokens it sampled in the previous step (so each rank's runner keeps every request's tokens, as
 rank 0's does), and the KV tier operations rank 0 decided (`TierOps`: blocks whose shards each rank
-copies to its host tier, prefix loads each rank fills from it; kvpager/kvstore/sharded.py). JSON,
+copies to its tiers or publishes to the shared store, prefix loads each rank fills from them, KV pack
+blocks it fills or gathers to rank 0; kvpager/kvstore/sharded.py). JSON,
 never pickle: a message can only ever become these dataclasses. Torch-free.
 """
 
@@ -27,12 +28,15 @@ class TierOps:
     """The KV tier work of one step, run by every rank on its own shards before the step's forward."""
 
     offloads: tuple[tuple[int, BlockHash], ...] = ()  # (block id, hash): copy the evicted block out
+    publishes: tuple[tuple[int, BlockHash], ...] = ()  # (block id, hash): write its shard to the shared store
     loads: tuple[tuple[int, tuple[tuple[BlockHash, int], ...]], ...] = ()  # (job id, ((hash, block id), ...))
+    fills: tuple[int, ...] = ()  # block ids whose whole K/V rank 0 broadcasts next (a KV pack): each keeps its heads
+    gathers: tuple[int, ...] = ()  # block ids whose shards every rank sends to rank 0 (a KV pack export)
     flush: bool = False  # then write the host tier's blocks to the disk tier (at shutdown)
 
     @property
     def is_empty(self) -> bool:
-        return not self.offloads and not self.loads and not self.flush
+        return not (self.offloads or self.publishes or self.loads or self.fills or self.gathers or self.flush)
 
 
 @dataclass(frozen=True)
@@ -73,18 +77,24 @@ def decode_step(payload: bytes) -> StepMessage:
 def _encode_tier_ops(ops: TierOps) -> dict[str, Any]:
     return {
         "offloads": [[block_id, block_hash.hex()] for block_id, block_hash in ops.offloads],
+        "publishes": [[block_id, block_hash.hex()] for block_id, block_hash in ops.publishes],
         "loads": [[job_id, [[h.hex(), block_id] for h, block_id in blocks]] for job_id, blocks in ops.loads],
+        "fills": list(ops.fills),
+        "gathers": list(ops.gathers),
         "flush": ops.flush,
     }
 
 
 def _decode_tier_ops(doc: dict[str, Any]) -> TierOps:
     offloads = tuple((int(block_id), BlockHash(bytes.fromhex(h))) for block_id, h in doc["offloads"])
+    publishes = tuple((int(block_id), BlockHash(bytes.fromhex(h))) for block_id, h in doc["publishes"])
     loads = tuple(
         (int(job_id), tuple((BlockHash(bytes.fromhex(h)), int(block_id)) for h, block_id in blocks))
         for job_id, blocks in doc["loads"]
     )
-    return TierOps(offloads, loads, bool(doc["flush"]))
+    fills = tuple(int(block_id) for block_id in doc["fills"])
+    gathers = tuple(int(block_id) for block_id in doc["gathers"])
+    return TierOps(offloads, publishes, loads, fills, gathers, bool(doc["flush"]))
 
 
 def _encode_output(out: SchedulerOutput) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kvpager.core.request import Request, RequestStatus
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpager.engine.admission import AdmissionContext, admit, check_prompt_ids, tokenize
-from kvpager.engine.executor import TensorParallelExecutor, build_store
+from kvpager.engine.executor import TensorParallelExecutor, build_store, sharded_block_io, share_fingerprint
 from kvpager.engine.kv_transfer import KVPoolBusyError, KVTransfer
 from kvpager.engine.loading import LoadedModel, build_runner, load, log_pool, model_spec_of, resolve_device
 from kvpager.engine.output_processor import OutputProcessor
@@ -70,6 +70,8 @@ class Engine:
                 self.executor.abort()
             raise
         lm = self.loaded
+        if self.executor is not None:
+            share_fingerprint(self.executor.parallel.store, lm.fingerprint)
         self.config = lm.config if lm.config is not None else config  # NOTE: dtype resolved ("auto")
         self.tokenizer = lm.tokenizer
         self.model_spec = lm.spec
@@ -98,9 +100,13 @@ class Engine:
         # NOTE: with a shared store, each block is written there as soon as its forward ran (not only
         # on eviction), so other replicas hit it while it is still on this device; the writes run on
         # the publisher's thread, never in a step.
+        # Under tensor parallelism the blocks go to every rank in a tier-only message (each writes its shard).
         self.kv_publisher = None
-        if isinstance(self.kv_store, TieredBlockStore) and self.kv_store.tiers.remote is not None:
-            self.kv_publisher = RemotePublisher(self.kv_store.tiers.remote, self.kv_manager.block_pool, self.runner)
+        remote = self.kv_store.tiers.remote if self.kv_store is not None else None
+        if isinstance(self.kv_store, ShardedTierStore) and remote is not None:
+            self.kv_publisher = RemotePublisher(remote, self.kv_manager.block_pool, None, publish=self.kv_store.publish)
+        elif remote is not None:
+            self.kv_publisher = RemotePublisher(remote, self.kv_manager.block_pool, self.runner)
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -109,7 +115,9 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_config, self.kv_manager)
         tiered = self.kv_store if isinstance(self.kv_store, TieredBlockStore) else None
-        self.kv_transfer = KVTransfer(self.kv_manager, self.runner, self.kv_expectation(), tiered)
+        # NOTE: packs hold whole blocks; under tensor parallelism they are gathered from / spread over the ranks
+        block_io = sharded_block_io(self.executor, self.runner, self.kv_store) if self.executor else self.runner
+        self.kv_transfer = KVTransfer(self.kv_manager, block_io, self.kv_expectation(), tiered)
         for path in config.kv_packs:
             num_blocks = self.kv_transfer.load_pack(path)
             logger.info("KV pack %s: %d blocks pinned in the prefix cache", path, num_blocks)

@@ -33,7 +33,7 @@ from kvpager.core.limits import RequestLimits
 from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.step_codec import OP_STEP, OP_STOP, StepMessage, TierOps, encode_step
 from kvpager.kvstore.offload import TieredBlockStore, build_tiers
-from kvpager.kvstore.sharded import ShardedTierStore, build_rank_tiers
+from kvpager.kvstore.sharded import RankKV, ShardedBlockIO, ShardedTierStore, build_rank_kv
 from kvpager.model.parallel import TensorParallel, join_group, layout_for
 from kvpager.model.spec import ModelSpec
 from kvpager.worker.runner import ModelRunner
@@ -76,6 +76,28 @@ AGREED_FIELDS = (
     "kv_codec",
 )
 CONFIG_KEY = "kvpager-tp/config"
+FINGERPRINT_KEY = "kvpager-tp/fingerprint"  # rank 0's model fingerprint (the other ranks do not hash weights)
+FINGERPRINT_WAIT_S = 24 * 3600.0  # a worker waits for rank 0's load (hashing big weights takes a while)
+FINGERPRINT_POLL_S = 0.05
+
+
+def share_fingerprint(store: Any, fingerprint: bytes) -> None:
+    """Rank 0: publish the model fingerprint its blocks are hashed under (for the ranks' KV tiers)."""
+    store.set(FINGERPRINT_KEY, fingerprint.hex())
+
+
+def rank0_fingerprint(store: Any) -> bytes:
+    """A worker: rank 0's model fingerprint (waits until rank 0 has loaded its model).
+
+    NOTE: polls with `check` rather than a blocking `wait`, which would hold the store's client and
+    stall the heartbeat thread's calls on it (rank 0 would take the worker for dead).
+    """
+    deadline = time.monotonic() + FINGERPRINT_WAIT_S
+    while not store.check([FINGERPRINT_KEY]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 published no model fingerprint within {FINGERPRINT_WAIT_S:g} s")
+        threading.Event().wait(FINGERPRINT_POLL_S)
+    return bytes.fromhex(store.get(FINGERPRINT_KEY).decode("ascii"))
 
 
 def _agreement_key(rank: int) -> str:
@@ -247,6 +269,10 @@ class TensorParallelExecutor:
         if store is not None and not ops.is_empty:
             store.run(ops)
 
+    def send_tier_ops(self, ops: TierOps) -> None:
+        """Broadcast tier work alone (no step): publishes, KV pack blocks, the persist at shutdown."""
+        self.send_step(StepMessage(OP_STEP, tier_ops=ops))
+
     def send_step(self, message: StepMessage) -> None:
         """Broadcast one step message to every rank."""
         self.check_alive()
@@ -347,12 +373,19 @@ def build_store(
     if executor is None:
         tiers = build_tiers(config, fingerprint)
         return TieredBlockStore(tiers, io, device) if tiers is not None else None
-    rank_tiers = build_rank_tiers(config, fingerprint, 0)
-    if rank_tiers is None:
+    rank = build_rank_kv(config, fingerprint, io, executor.parallel)
+    if rank.tiers is None:
         return None
-    return ShardedTierStore(
-        rank_tiers, io, executor.parallel, lambda ops: executor.send_step(StepMessage(OP_STEP, tier_ops=ops))
-    )
+    return ShardedTierStore(rank, executor.send_tier_ops)
+
+
+def sharded_block_io(
+    executor: TensorParallelExecutor, io: ModelRunner, store: TieredBlockStore | ShardedTierStore | None
+) -> ShardedBlockIO:
+    """Rank 0's whole-block reads and writes (KV packs, imports) under tensor parallelism."""
+    if isinstance(store, ShardedTierStore):
+        return ShardedBlockIO(store.rank, executor.send_tier_ops, store)
+    return ShardedBlockIO(RankKV(None, io, executor.parallel), executor.send_tier_ops, None)
 
 
 def _free_port(addr: str) -> int:

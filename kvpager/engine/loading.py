@@ -182,8 +182,9 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
     components = base_fingerprint_components(
         config, spec, model_dir, weights_digest, tokenizer.tokenizer_digest(), config_in_weights=gguf_model is not None
     )
-    if config.tensor_parallel_size > 1:  # NOTE: a rank's pool holds its KV heads only
-        components.append(("tensor_parallel_size", str(config.tensor_parallel_size)))
+    # NOTE: no tensor-parallel size: a block's K/V is the same (to float rounding, as across machines)
+    # whatever the layout; where shards are kept (a directory per rank, store keys naming the KV heads)
+    # the layout is named, and KV packs hold whole blocks, so a TP=2 pack loads at TP=1.
     fingerprint = model_fingerprint(components)
     return LoadedModel(
         model_dir,

@@ -6,7 +6,7 @@ engine starts its local ones, a headless node (`engine/tp_node.py`) its own; the
 from the flags, never assumed local. Each worker joins the group (a master it cannot reach within
 --distributed-timeout is a clear error and exit 1), loads its shard, allocates its shard of the KV
 pool (the block count agreed with every rank), then runs every step rank 0 broadcasts (its share of
-the step's KV tier work first) until told to stop. A heartbeat thread tells rank 0 it is alive; the
+the step's KV tier work first) until told to stop, then writes what its shared-store writer holds. A heartbeat thread tells rank 0 it is alive; the
 worker exits when rank 0 goes away (a failed collective or heartbeat, or a parent that is gone).
 """
 
@@ -29,9 +29,11 @@ from kvpager.engine.executor import (
     config_from_json,
     heartbeat_key,
     init_rank,
+    rank0_fingerprint,
 )
 from kvpager.engine.loading import build_runner, load, model_spec_of, resolve_device
-from kvpager.kvstore.sharded import build_rank_tiers, run_tier_ops
+from kvpager.kvstore.shard_ops import run_tier_ops
+from kvpager.kvstore.sharded import build_rank_kv
 
 logger = logging.getLogger("kvpager")
 
@@ -66,16 +68,21 @@ def main() -> None:
         sys.exit(1)
     lm = load(config, parallel)
     runner = build_runner(lm, config, parallel)
-    tiers = build_rank_tiers(config, lm.fingerprint, rank)  # NOTE: this rank's shards only
-    while True:
-        message = decode_step(parallel.broadcast_bytes(None))
-        if message.op == OP_STOP:
-            break
-        runner.apply_sampled(message.sampled)
-        if tiers is not None and not message.tier_ops.is_empty:
-            run_tier_ops(tiers, runner, message.tier_ops, parallel)
-        if message.output is not None:  # NOTE: None: tier work only (the engine persisting at shutdown)
-            runner.execute(message.output)
+    fingerprint = rank0_fingerprint(parallel.store)  # NOTE: shard records name the model as rank 0 does
+    kv = build_rank_kv(config, fingerprint, runner, parallel)  # NOTE: this rank's shards only
+    try:
+        while True:
+            message = decode_step(parallel.broadcast_bytes(None))
+            if message.op == OP_STOP:
+                break
+            runner.apply_sampled(message.sampled)
+            if not message.tier_ops.is_empty:
+                run_tier_ops(kv, message.tier_ops)
+            if message.output is not None:  # NOTE: None: tier work only (publishes, packs, the persist)
+                runner.execute(message.output)
+    finally:
+        if kv.writer is not None:
+            kv.writer.close()  # NOTE: what is queued for the shared store is written before exiting
 
 
 def _heartbeat(store: Any, rank: int) -> None:

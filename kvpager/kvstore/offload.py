@@ -38,6 +38,7 @@ from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.block_io import BlockIO, host_copy
 from kvpager.kvstore.codec import get_codec
 from kvpager.kvstore.remote import RemoteTier
+from kvpager.kvstore.shards import KVShard
 from kvpager.kvstore.tier_stats import KVTierStats, MoveCounters
 from kvpager.kvstore.tiers import DiskTier, HostTier, KVTiers
 
@@ -71,8 +72,16 @@ def run_worker(
         del store
 
 
-def build_tiers(config: EngineConfig, fingerprint: bytes) -> KVTiers | None:
-    """The host, disk and/or remote tiers the config asks for, or None when it asks for none."""
+def build_tiers(
+    config: EngineConfig,
+    fingerprint: bytes,
+    shard: KVShard | None = None,
+    lookup_shards: Sequence[KVShard] = (),
+) -> KVTiers | None:
+    """The host, disk and/or remote tiers the config asks for, or None when it asks for none.
+
+    `shard` / `lookup_shards`: a tensor-parallel rank's KV heads and what its lookups require (`RemoteTier`).
+    """
     if config.host_kv_cache_memory is None and config.kv_cache_dir is None and config.kv_cache_remote is None:
         return None
     codec = get_codec(config.kv_codec)
@@ -82,7 +91,14 @@ def build_tiers(config: EngineConfig, fingerprint: bytes) -> KVTiers | None:
         disk = DiskTier(config.kv_cache_dir, config.resolved_kv_cache_dir_max_bytes, fingerprint, codec)
     remote = None
     if config.kv_cache_remote is not None:
-        remote = RemoteTier.from_url(config.kv_cache_remote, fingerprint, codec, config.kv_cache_remote_timeout)
+        remote = RemoteTier.from_url(
+            config.kv_cache_remote,
+            fingerprint,
+            codec,
+            config.kv_cache_remote_timeout,
+            shard=shard,
+            lookup_shards=lookup_shards,
+        )
     return KVTiers(host, disk, remote)
 
 

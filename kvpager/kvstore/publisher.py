@@ -7,6 +7,10 @@ publisher thread then encodes them and writes them (`RemoteTier.put`: SET NX), s
 store never holds a step. The queue between the two is bounded (`max_pending`): when it is full the
 oldest block is dropped, counted in `publish_dropped` (a device eviction writes it through later).
 While the store is marked down nothing is copied: the blocks are dropped here for the same reason.
+
+The thread and its queue are a `RemoteWriter` of their own: under tensor parallelism every rank has
+one for its shards, and rank 0's publisher hands the blocks to announce to `publish` (the sharded
+store sends them to every rank in a step message, and each rank copies its shard into its writer).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,26 +35,23 @@ logger = logging.getLogger("kvpager.kvstore.remote")
 DEFAULT_MAX_PENDING = 1024  # copied blocks waiting for the publisher thread
 
 
-class RemotePublisher:
-    """See the module docstring. `close()` writes what is queued, then stops the thread."""
+class RemoteWriter:
+    """A thread writing host blocks to the remote tier from a bounded queue (the oldest dropped when full).
 
-    def __init__(
-        self, remote: RemoteTier, pool: BlockPool, io: BlockReader, *, max_pending: int = DEFAULT_MAX_PENDING
-    ) -> None:
+    `close()` writes what is queued, then stops the thread.
+    """
+
+    def __init__(self, remote: RemoteTier, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.remote = remote
-        self.pool = pool
-        self.io = io
         self.max_pending = max_pending
-        self._announced: list[tuple[BlockHash, int]] = []
         self._cond = threading.Condition()
         self._queue: deque[tuple[BlockHash, torch.Tensor]] = deque()
         self._busy = False
         self._closed = False
-        pool.add_listener(self._on_event)
-        # NOTE: the thread holds the publisher weakly between writes, so an engine dropped without
-        # shutdown() is still collected (with its KV pool); the thread then ends.
+        # NOTE: the thread holds the writer weakly between writes, so one dropped without close() is
+        # still collected; the thread then ends.
         self._thread = threading.Thread(
             target=run_worker,
             args=(weakref.ref(self), self._cond, self._queue, "_write_once"),
@@ -58,23 +60,8 @@ class RemotePublisher:
         )
         self._thread.start()
 
-    def _on_event(self, event: KVEvent) -> None:
-        if isinstance(event, BlockStored):
-            self._announced.extend(zip(event.block_hashes, event.block_ids, strict=True))
-
-    def flush(self) -> int:
-        """Queue host copies of the blocks announced since the last flush (engine thread, after the
-        forward); returns how many were queued. Never waits for the store."""
-        announced, self._announced = self._announced, []
-        if not announced or not self.remote.available:
-            return 0
-        copies = [
-            (block_hash, host_copy(self.io, block_id))
-            for block_hash, block_id in announced
-            if not self.remote.knows(block_hash) and self.pool.get_cached_block(block_hash) == block_id
-        ]
-        if not copies:
-            return 0
+    def submit(self, copies: Sequence[tuple[BlockHash, torch.Tensor]]) -> int:
+        """Queue host copies for writing (never waits for the store); returns how many were queued."""
         dropped = 0
         with self._cond:
             if self._closed:
@@ -121,3 +108,65 @@ class RemotePublisher:
                 self._busy = False
                 self._cond.notify_all()
         return True
+
+
+Publish = Callable[[list[tuple[BlockHash, int]]], None]  # (hash, device block id) of blocks to write
+
+
+class RemotePublisher:
+    """See the module docstring. `close()` writes what is queued, then stops the writer's thread.
+
+    `publish`: where the blocks to announce go (under tensor parallelism, the sharded store); by
+    default host copies into this publisher's own `writer`.
+    """
+
+    def __init__(
+        self,
+        remote: RemoteTier,
+        pool: BlockPool,
+        io: BlockReader | None,
+        *,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        publish: Publish | None = None,
+    ) -> None:
+        self.remote = remote
+        self.pool = pool
+        self.io = io
+        self.writer = RemoteWriter(remote, max_pending=max_pending) if publish is None else None
+        self._publish = publish if publish is not None else self._copy_to_writer
+        self._announced: list[tuple[BlockHash, int]] = []
+        pool.add_listener(self._on_event)
+
+    def _on_event(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._announced.extend(zip(event.block_hashes, event.block_ids, strict=True))
+
+    def flush(self) -> int:
+        """Publish the blocks announced since the last flush that are still cached and not known to the
+        store (engine thread, after the forward); returns how many. Never waits for the store."""
+        announced, self._announced = self._announced, []
+        if not announced or not self.remote.available:
+            return 0
+        fresh = [
+            (block_hash, block_id)
+            for block_hash, block_id in announced
+            if not self.remote.knows(block_hash) and self.pool.get_cached_block(block_hash) == block_id
+        ]
+        if fresh:
+            self._publish(fresh)
+        return len(fresh)
+
+    def _copy_to_writer(self, blocks: list[tuple[BlockHash, int]]) -> None:
+        assert self.writer is not None and self.io is not None
+        io = self.io
+        self.writer.submit([(block_hash, host_copy(io, block_id)) for block_hash, block_id in blocks])
+
+    def drain(self) -> None:
+        """Wait until every queued block was written (or dropped because the store went down)."""
+        if self.writer is not None:
+            self.writer.drain()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer's thread (idempotent)."""
+        if self.writer is not None:
+            self.writer.close()

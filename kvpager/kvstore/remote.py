@@ -18,6 +18,10 @@ Size: the store is bounded by the server's own eviction, not by kvpager: run it 
 Failure: every call has a socket timeout (`--kv-cache-remote-timeout`). A store that is down or slow
 is a miss: the prefix is recomputed, the reason is logged once, and the tier stays off for
 `retry_interval_s` before the next call tries again. A request never fails because of the store.
+Tensor parallelism: each rank's tier stores its shard of a block (`shards.py`: the KV heads it
+holds) under `kvpager:v1:<fingerprint hex[:16]>:<shard tag>:<block hash hex>` (no tag for a whole
+block, so TP=1 keys are unchanged), as a record whose fingerprint is bound to the heads. Rank 0's
+tier asks about every distinct shard (`lookup_shards`): a block counts as held only when all are.
 Threads: no call made on the engine thread talks to the server (`contains`, `knows`, `needs_lookup`
 read what earlier answers left); the lookup, I/O and publisher threads make the calls. The tier's own
 state (what is known present or absent, the fetched records, the counters) is behind one lock,
@@ -40,6 +44,7 @@ import torch
 from kvpager.core.hashing import BlockHash
 from kvpager.kvstore.codec import Codec
 from kvpager.kvstore.records import EncodedBlock, RecordError, decode_record, encode_record
+from kvpager.kvstore.shards import KVShard
 from kvpager.kvstore.tiers import RecordTier, TierStats, encode_block
 
 logger = logging.getLogger("kvpager.kvstore.remote")
@@ -117,7 +122,11 @@ class RemoteTier(RecordTier):
         *,
         name: str = "remote",
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        shard: KVShard | None = None,
+        lookup_shards: Sequence[KVShard] = (),
     ) -> None:
+        """`shard`: the KV heads this tier's records hold (None: whole blocks); `lookup_shards`: the
+        shards `lookup` requires for a block to count as held (default: this tier's own)."""
         if retry_interval_s < 0:
             raise ValueError(f"retry_interval_s must be >= 0, got {retry_interval_s}")
         self.client = client
@@ -126,6 +135,9 @@ class RemoteTier(RecordTier):
         self.name = name
         self.retry_interval_s = retry_interval_s
         self.prefix = f"{KEY_PREFIX}{fingerprint.hex()[:16]}:".encode()
+        self.shard = shard
+        self.record_fingerprint = shard.record_fingerprint(fingerprint) if shard is not None else fingerprint
+        self.lookup_shards: tuple[KVShard | None, ...] = tuple(lookup_shards) or (shard,)
         self._stats = RemoteTierStats()
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()  # hash -> when it was answered absent
@@ -142,9 +154,19 @@ class RemoteTier(RecordTier):
         codec: Codec,
         timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        shard: KVShard | None = None,
+        lookup_shards: Sequence[KVShard] = (),
     ) -> RemoteTier:
         """Connect lazily (the first call connects); the eviction policy is checked now when reachable."""
-        tier = cls(connect(url, timeout_s), fingerprint, codec, name=redact(url), retry_interval_s=retry_interval_s)
+        tier = cls(
+            connect(url, timeout_s),
+            fingerprint,
+            codec,
+            name=redact(url),
+            retry_interval_s=retry_interval_s,
+            shard=shard,
+            lookup_shards=lookup_shards,
+        )
         tier.check_eviction_policy()
         return tier
 
@@ -170,7 +192,20 @@ class RemoteTier(RecordTier):
         return block_hash in self._known
 
     def key(self, block_hash: BlockHash) -> bytes:
-        return self.prefix + block_hash.hex().encode()
+        """The key of this tier's record (its shard) of `block_hash`."""
+        return self.shard_key(block_hash, self.shard)
+
+    def shard_key(self, block_hash: BlockHash, shard: KVShard | None) -> bytes:
+        """The key of `shard`'s record of `block_hash` (None or a whole shard: the TP=1 key)."""
+        tag = shard.tag if shard is not None else ""
+        return self.prefix + (f"{tag}:" if tag else "").encode() + block_hash.hex().encode()
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """Stop taking `hashes` as held (a tensor-parallel load found a rank's shard missing): the next
+        request for them asks the store again."""
+        with self._lock:
+            for block_hash in hashes:
+                self._known.pop(block_hash, None)
 
     # -- the tier protocol ----------------------------------------------------------------------
     def contains(self, block_hash: BlockHash) -> bool:
@@ -191,20 +226,23 @@ class RemoteTier(RecordTier):
         """Ask the store which of `hashes` it holds (one pipelined EXISTS); returns the leading run held.
 
         Every answer is remembered (`contains` / `needs_lookup` read it). A store that is down is a miss.
+        A block is held when the record of every one of `lookup_shards` is (one EXISTS of all their keys).
         """
         unknown = [h for h in hashes if h not in self._known]
         if unknown:
             self.count("lookups")
+            shards = self.lookup_shards
 
             def exists() -> list[Any]:
                 pipe = self.client.pipeline(transaction=False)
                 for block_hash in unknown:
-                    pipe.exists(self.key(block_hash))
+                    pipe.exists(*(self.shard_key(block_hash, shard) for shard in shards))
                 return list(pipe.execute())
 
-            answers = self._call("lookup", exists, None)
-            if not isinstance(answers, list):
+            counts = self._call("lookup", exists, None)
+            if not isinstance(counts, list):
                 return 0
+            answers = [int(found) == len(shards) for found in counts]
             now = time.monotonic()
             with self._lock:
                 for block_hash, held in zip(unknown, answers, strict=True):
@@ -264,7 +302,7 @@ class RemoteTier(RecordTier):
         if block_hash in self._known:
             return True
         start = time.perf_counter()
-        record = encode_record(self.fingerprint, block_hash, encoded)
+        record = encode_record(self.record_fingerprint, block_hash, encoded)
         written = self._call("write", lambda: self.client.set(self.key(block_hash), record, nx=True), _FAILED)
         if written is _FAILED:
             return False
@@ -292,7 +330,7 @@ class RemoteTier(RecordTier):
                 self._stats.misses += 1
             return None
         try:
-            encoded = decode_record(record, self.fingerprint, block_hash)
+            encoded = decode_record(record, self.record_fingerprint, block_hash)
         except RecordError as error:
             self._reject(block_hash, str(error))
             return None

@@ -4,39 +4,52 @@ Each rank's pool holds its KV heads of every block (the same block ids everywher
 offloaded to the host tier is N shards, one per rank, each in that rank's host RAM. Rank 0 (the
 scheduler) decides: `ShardedTierStore` is its `BlockStore`. It queues the pool's evictions and the
 KV manager's prefix loads as plain data (`TierOps`), which go out in the step message
-(`core/step_codec.py`); every rank, rank 0 included, then runs them with `run_tier_ops` before the
-step's forward: copy the evicted blocks' shards out, fill the loaded blocks' shards in. A load's
-result is the smallest count of leading blocks any rank filled (one MIN all-reduce), so a rank whose
-tier lost a block (different compressed sizes, a failed read) costs a recompute, never a wrong block.
+(`core/step_codec.py`); every rank, rank 0 included, then runs them with `run_tier_ops`
+(`shard_ops.py`) before the step's forward: copy the evicted blocks' shards out, fill the loaded
+blocks' shards in. A load's result is the smallest count of leading blocks any rank filled (one MIN
+all-reduce), so a rank whose tier lost a block costs a recompute, never a wrong block.
 
 Synchronous by design: the tier I/O of a step runs on each rank's step thread, in the same order on
 every rank, so the ranks' tiers (same capacity, same block sizes, same operations) hold the same
-hashes. The host and disk tiers are supported: each rank's disk tier is a directory of its own under
---kv-cache-dir (`rank_cache_dir`), flushed at shutdown by every rank (a flush op rank 0 sends). The
-shared store and packs are not (EngineConfig refuses them with N > 1).
+hashes. Each rank's disk tier is a directory of its own under --kv-cache-dir (`rank_cache_dir`),
+flushed at shutdown by every rank (a flush op rank 0 sends).
+
+The shared store (--kv-cache-remote): each rank stores its shard under a key naming its KV heads
+(`shards.py`, `remote.py`). Rank 0 asks the store, on a lookup thread of its own (never the step),
+whether every distinct shard of a chain's blocks is there; a load then fetches each rank's shard on
+its step thread (bounded by --kv-cache-remote-timeout; the MIN decides). Publishing: after a forward
+rank 0 sends the fresh blocks in a tier-only message and each rank copies its shard to its own
+writer thread (`publisher.RemoteWriter`), which writes it; an evicted block is written through the same way.
+
+KV packs are whole blocks whatever the layout: `ShardedBlockIO` is rank 0's `BlockIO` for them, a
+block read is an all-gather of every rank's shard, a block write a broadcast each rank takes its heads from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
+import threading
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
 from kvpager.core.step_codec import TierOps
-from kvpager.kvstore.offload import build_tiers
+from kvpager.kvstore.offload import build_tiers, run_worker
+from kvpager.kvstore.publisher import RemoteWriter
+from kvpager.kvstore.shard_ops import RankKV, ShardIO, TierResult, run_tier_ops
+from kvpager.kvstore.shards import distinct_shards, shard_of, writes_shard
 from kvpager.kvstore.tier_stats import KVTierStats, MoveCounters
-from kvpager.kvstore.tiers import KVTiers
 from kvpager.model.parallel import TensorParallel
 
 logger = logging.getLogger("kvpager.kvstore.sharded")
+
+__all__ = ["RankKV", "ShardIO", "ShardedBlockIO", "ShardedTierStore", "build_rank_kv", "rank_cache_dir"]
 
 
 def rank_cache_dir(kv_cache_dir: str, rank: int, world_size: int) -> str:
@@ -44,103 +57,52 @@ def rank_cache_dir(kv_cache_dir: str, rank: int, world_size: int) -> str:
     return str(Path(kv_cache_dir) / f"tp{world_size}-rank{rank}")
 
 
-def build_rank_tiers(config: EngineConfig, fingerprint: bytes, rank: int) -> KVTiers | None:
-    """This rank's tiers (host and/or disk, each bounded per rank as the flags say), or None."""
+def build_rank_kv(config: EngineConfig, fingerprint: bytes, io: ShardIO, parallel: TensorParallel) -> RankKV:
+    """This rank's tiers (host and/or disk, each bounded per rank as the flags say; its shard's records in
+    the shared store, rank 0 looking up every shard), and its writer when it writes its shard."""
+    rank, layout = parallel.rank, parallel.layout
     if config.kv_cache_dir is not None:
         directory = rank_cache_dir(config.kv_cache_dir, rank, config.tensor_parallel_size)
         config = dataclasses.replace(config, kv_cache_dir=directory)
-    return build_tiers(config, fingerprint)
-
-
-class ShardIO(Protocol):
-    """Reads and writes this rank's shard of one block of the KV pool (the `ModelRunner`)."""
-
-    def read_shard(self, block_id: int) -> torch.Tensor: ...
-
-    def write_shard(self, block_id: int, block: torch.Tensor) -> None: ...
-
-
-def run_tier_ops(
-    tiers: KVTiers,
-    io: ShardIO,
-    ops: TierOps,
-    parallel: TensorParallel,
-    offloaded: MoveCounters | None = None,
-    restored: MoveCounters | None = None,
-) -> tuple[dict[int, int], int]:
-    """Run one step's tier operations on this rank; returns (load job id -> leading blocks every rank
-    filled, blocks this rank's flush wrote to disk).
-
-    Every rank calls it with the same `ops` at the same point of the step (the MIN all-reduce pairs up).
-    Offloads go first: a block loaded in the same step may be one just evicted.
-    """
-    for block_id, block_hash in ops.offloads:
-        start = time.perf_counter()
-        block = io.read_shard(block_id).to("cpu", copy=True)
-        try:
-            tiers.offload(block_hash, block)
-        except Exception:  # NOTE: a failed write loses a cache entry (the load's MIN covers it), never the step
-            logger.exception("KV tiers: could not store the shard of block %s", block_hash.hex()[:16])
-            continue
-        _count(offloaded, block, start)
-    counts = [_load(tiers, io, blocks, parallel.device, restored) for _, blocks in ops.loads]
-    flushed = tiers.flush() if ops.flush else 0
-    if not counts:
-        return {}, flushed
-    agreed = torch.tensor(counts, dtype=torch.int64, device=parallel.device)
-    parallel.all_reduce(agreed, dist.ReduceOp.MIN)
-    return {job_id: int(n) for (job_id, _), n in zip(ops.loads, agreed.tolist(), strict=True)}, flushed
-
-
-def _load(
-    tiers: KVTiers,
-    io: ShardIO,
-    blocks: Sequence[tuple[BlockHash, int]],
-    device: torch.device,
-    restored: MoveCounters | None,
-) -> int:
-    """Fill the blocks' shards from the tiers, in order; the count filled before the first miss."""
-    for index, (block_hash, block_id) in enumerate(blocks):
-        start = time.perf_counter()
-        try:
-            block = tiers.lookup(block_hash, device)
-        except Exception:
-            logger.exception("KV tiers: could not load the shard of block %s", block_hash.hex()[:16])
-            return index
-        if block is None:
-            return index
-        io.write_shard(block_id, block)
-        _count(restored, block, start)
-    return len(blocks)
-
-
-def _count(counters: MoveCounters | None, block: torch.Tensor, start: float) -> None:
-    if counters is not None:
-        counters.blocks += 1
-        counters.bytes += block.numel() * block.element_size()
-        counters.seconds += time.perf_counter() - start
+    lookup = distinct_shards(layout) if rank == 0 else ()
+    tiers = build_tiers(config, fingerprint, shard=shard_of(layout, rank), lookup_shards=lookup)
+    writer = None
+    if tiers is not None and tiers.remote is not None and writes_shard(layout, rank):
+        writer = RemoteWriter(tiers.remote)
+    return RankKV(tiers, io, parallel, writer)
 
 
 class ShardedTierStore:
     """Rank 0's `BlockStore` under tensor parallelism: queues tier operations for the next step message.
 
     The engine takes them with `take_ops` when it broadcasts a step and runs rank 0's part with
-    `run`; the loads it ran are reported by `finished_loads` (at the next `schedule()`).
+    `run`; the loads it ran are reported by `finished_loads` (at the next `schedule()`). With a shared
+    store, lookups run on a thread of their own and finish like loads of no blocks.
     """
 
-    def __init__(self, tiers: KVTiers, io: ShardIO, parallel: TensorParallel, send: Callable[[TierOps], None]) -> None:
-        if tiers.remote is not None:
-            raise ValueError("the shared KV store (--kv-cache-remote) is not supported with tensor parallelism")
-        self.tiers = tiers
-        self.io = io
-        self.parallel = parallel
-        self.send = send  # broadcasts tier work alone (no step): the persist at shutdown
-        self.offloaded = MoveCounters()
-        self.restored = MoveCounters()
+    def __init__(self, rank: RankKV, send: Callable[[TierOps], None]) -> None:
+        if rank.tiers is None:
+            raise ValueError("a sharded tier store needs tiers")
+        self.rank = rank
+        self.tiers = rank.tiers
+        self.send = send  # broadcasts tier work alone (no step): publishes, pack blocks, the persist at shutdown
         self._offloads: list[tuple[int, BlockHash]] = []
         self._staged: set[BlockHash] = set()  # evicted, to be offloaded by the next step
         self._loads: list[tuple[int, tuple[tuple[BlockHash, int], ...]]] = []
+        self._cond = threading.Condition()  # guards `_finished` and the lookup queue (the lookup thread)
         self._finished: dict[int, int] = {}
+        self._lookups: deque[tuple[int, list[BlockHash]]] = deque()
+        self._lookup_busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self.tiers.remote is not None:
+            self._thread = threading.Thread(
+                target=run_worker,
+                args=(weakref.ref(self), self._cond, self._lookups, "_lookup_once"),
+                name="kvpager-kv-lookup",
+                daemon=True,
+            )
+            self._thread.start()
 
     # ---- BlockStore (engine thread) -------------------------------------------------------------
     def contains(self, block_hash: BlockHash) -> bool:
@@ -158,31 +120,63 @@ class ShardedTierStore:
         self._loads.append((job_id, tuple(blocks)))
 
     def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
-        return False  # NOTE: no remote tier: `contains` answers
+        """Ask the shared store (on the lookup thread) about the chain past what the tiers are known to
+        hold; False when `contains` answers for it now (no store, store down, answers still known)."""
+        remote = self.tiers.remote
+        if remote is None:
+            return False
+        for index, block_hash in enumerate(hashes):
+            if block_hash in self._staged or self.tiers.contains(block_hash):
+                continue
+            if not remote.needs_lookup(block_hash):
+                return False
+            with self._cond:
+                if self._closed:
+                    return False
+                self._lookups.append((job_id, list(hashes[index:])))
+                self._cond.notify_all()
+            return True
+        return False
 
     def finished_loads(self) -> dict[int, int]:
-        finished, self._finished = self._finished, {}
+        with self._cond:
+            finished, self._finished = self._finished, {}
         return finished
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Nothing to wait for: a load runs in the step that broadcasts it, before this is asked."""
+        """Wait for a lookup to come back; a load runs in the step that broadcasts it, before this is asked."""
+        with self._cond:
+            if not self._finished and (self._lookups or self._lookup_busy):
+                self._cond.wait(timeout)
 
     # ---- the engine's side ----------------------------------------------------------------------
     def take_ops(self) -> TierOps:
         """The operations queued since the last step, for the step message (the queue is emptied)."""
-        ops = TierOps(tuple(self._offloads), tuple(self._loads))
+        ops = TierOps(offloads=tuple(self._offloads), loads=tuple(self._loads))
         self._offloads, self._loads = [], []
         return ops
 
-    def run(self, ops: TierOps) -> int:
-        """Rank 0's part of `ops` (after broadcasting them): its shards, and the loads' agreed counts.
-        Returns the blocks its flush wrote (0 without one)."""
+    def run(self, ops: TierOps, fill: torch.Tensor | None = None) -> TierResult:
+        """Rank 0's part of `ops` (after broadcasting them): its shards, and the loads' agreed counts."""
         try:
-            loaded, flushed = run_tier_ops(self.tiers, self.io, ops, self.parallel, self.offloaded, self.restored)
+            result = run_tier_ops(self.rank, ops, fill)
         finally:
             self._staged.difference_update(block_hash for _, block_hash in ops.offloads)
-        self._finished.update(loaded)
-        return flushed
+        remote = self.tiers.remote
+        if remote is not None:  # NOTE: a rank lacked a shard: the store is asked again next time
+            for job_id, blocks in ops.loads:
+                remote.forget([h for h, _ in blocks[result.loaded[job_id] :]])
+        with self._cond:
+            self._finished.update(result.loaded)
+            self._cond.notify_all()
+        return result
+
+    def publish(self, blocks: list[tuple[BlockHash, int]]) -> None:
+        """Every rank writes its shard of these freshly computed blocks to the shared store (the
+        `RemotePublisher`'s sink, on the engine thread after the forward): one tier-only message."""
+        ops = dataclasses.replace(self.take_ops(), publishes=tuple((b, h) for h, b in blocks))
+        self.send(ops)
+        self.run(ops)
 
     def wait_for_copies(self) -> None:
         """Nothing to wait for: evicted blocks are copied out by the step itself, before its forward."""
@@ -197,21 +191,84 @@ class ShardedTierStore:
             return 0
         try:
             self.send(ops)
-            return self.run(ops)
+            return self.run(ops).flushed
         except Exception:  # NOTE: a cache that is not persisted is recomputed next time; shutdown goes on
             logger.exception("KV tiers: the tensor-parallel persist at shutdown failed")
             return 0
 
     def close(self) -> None:
-        """No threads to stop."""
+        """Stop the lookup thread; write what rank 0's writer has queued."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self.rank.writer is not None:
+            self.rank.writer.close()
 
     def stats(self, device_evictions: int) -> KVTierStats:
         """Rank 0's tier counters (every rank moves the same blocks, each its own shard of them)."""
-        host, disk = self.tiers.host, self.tiers.disk
+        host, disk, remote = self.tiers.host, self.tiers.disk, self.tiers.remote
+        offloaded, restored = self.rank.offloaded, self.rank.restored
         return KVTierStats(
             host=host.stats if host is not None else None,
             disk=disk.stats if disk is not None else None,
             device_evictions=device_evictions,
-            offloaded=MoveCounters(self.offloaded.blocks, self.offloaded.bytes, self.offloaded.seconds),
-            restored=MoveCounters(self.restored.blocks, self.restored.bytes, self.restored.seconds),
+            remote=remote.stats if remote is not None else None,
+            offloaded=MoveCounters(offloaded.blocks, offloaded.bytes, offloaded.seconds),
+            restored=MoveCounters(restored.blocks, restored.bytes, restored.seconds),
         )
+
+    # ---- the lookup thread ----------------------------------------------------------------------
+    def _lookup_once(self) -> bool:
+        """Run one queued lookup, if any; False once closed and idle."""
+        with self._cond:
+            if not self._lookups:
+                return not self._closed
+            job_id, hashes = self._lookups.popleft()
+            self._lookup_busy = True
+        try:
+            assert self.tiers.remote is not None
+            self.tiers.remote.lookup(hashes)
+        except Exception:  # NOTE: a failed lookup is a miss; the request still gets its answer
+            logger.exception("KV tiers: remote lookup failed")
+        finally:
+            with self._cond:
+                self._finished[job_id] = 0
+                self._lookup_busy = False
+                self._cond.notify_all()
+        return True
+
+
+class ShardedBlockIO:
+    """Rank 0's `BlockIO` for KV packs and imports under tensor parallelism: whole blocks, whatever the layout.
+
+    `read_block` gathers every rank's shard of a block (a fresh CPU tensor, not a view of the pool);
+    `write_block` broadcasts a whole block and each rank writes its heads. Each is one tier-only
+    message; the tier work the store has queued goes first in it (an evicted block is copied out
+    before a pack's block overwrites it).
+    """
+
+    def __init__(self, rank: RankKV, send: Callable[[TierOps], None], store: ShardedTierStore | None) -> None:
+        self.rank = rank
+        self.send = send
+        self.store = store
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        gathered = self._run(TierOps(gathers=(block_id,))).gathered
+        assert gathered is not None
+        return gathered[0]
+
+    def write_block(self, block_id: int, block: torch.Tensor) -> None:
+        layout = self.rank.parallel.layout
+        if block.dim() < 2 or block.shape[-2] != layout.num_kv_heads:
+            raise ValueError(f"a whole KV block has {layout.num_kv_heads} KV heads, got shape {tuple(block.shape)}")
+        self._run(TierOps(fills=(block_id,)), block.unsqueeze(0))
+
+    def _run(self, ops: TierOps, fill: torch.Tensor | None = None) -> TierResult:
+        if self.store is not None:
+            ops = dataclasses.replace(self.store.take_ops(), fills=ops.fills, gathers=ops.gathers)
+        self.send(ops)
+        if self.store is not None:
+            return self.store.run(ops, fill)
+        return run_tier_ops(self.rank, ops, fill)

@@ -387,9 +387,12 @@ class KVTiers:
             self.disk is not None and block_hash in self.disk
         )
 
-    def offload(self, block_hash: BlockHash, block: torch.Tensor) -> None:
-        """Keep a block the device pool is evicting: host first, spilling host evictions to disk."""
-        if self.remote is not None:
+    def offload(self, block_hash: BlockHash, block: torch.Tensor, *, write_remote: bool = True) -> None:
+        """Keep a block the device pool is evicting: host first, spilling host evictions to disk.
+
+        `write_remote=False`: the caller writes the remote tier itself (from a writer thread, under TP).
+        """
+        if self.remote is not None and write_remote:
             self.remote.put(block_hash, block)  # NOTE: a no-op for blocks the store is known to hold
         if self.host is None:
             if self.disk is not None:

@@ -100,6 +100,17 @@ class TensorParallel:
         self._broadcast(data)
         return payload if payload is not None else data.cpu().numpy().tobytes()
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place; returned."""
+        self._broadcast(t)
+        return t
+
+    def all_gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `local` (the same shape on each), in rank order, on every rank."""
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        self.group.allgather([parts], [local.contiguous()]).wait()
+        return parts
+
     def _broadcast(self, t: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0

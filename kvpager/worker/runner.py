@@ -174,7 +174,8 @@ class ModelRunner:
     def _check_whole_pool(self) -> None:
         if self.parallel is not None:
             raise ValueError(
-                "KV blocks cannot be read or written with tensor parallelism yet (each rank holds a shard)"
+                "a rank's runner cannot read or write whole KV blocks under tensor parallelism (it holds a "
+                "shard of each): whole blocks go through kvpager.kvstore.sharded.ShardedBlockIO"
             )
 
     @torch.inference_mode()
