@@ -165,3 +165,14 @@ def test_a_broken_prefill_pool_falls_back_to_a_local_prefill_with_the_reason_log
             assert handle.streams[0].cancelled, "the call that never answered is cancelled"
     finally:
         decode.engine.shutdown()
+
+
+def test_prefill_replicas_flag_is_refused_without_replicas_or_a_transfer_key(capsys: pytest.CaptureFixture) -> None:
+    from kvpager.cli.serve import main
+
+    assert main(["--prefill-replicas", "2", "--device", "cpu"]) == 2
+    assert "--prefill-replicas M needs --replicas N" in capsys.readouterr().err
+    assert main(["--replicas", "2", "--prefill-replicas", "2", "--device", "cpu"]) == 2
+    assert "--prefill-replicas needs --kv-transfer-key" in capsys.readouterr().err
+    assert main(["--replicas", "2", "--prefill-replicas", "-1", "--kv-transfer-key", KEY]) == 2
+    assert "--prefill-replicas must be >= 0" in capsys.readouterr().err
