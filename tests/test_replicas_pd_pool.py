@@ -10,9 +10,11 @@ still succeeds, prefilled locally, with the same text."""
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,10 +85,23 @@ def exported_on(url: str, before: dict[str, float]) -> list[str]:
     return [replica for replica, value in now.items() if value > before.get(replica, 0.0)]
 
 
+def logged(ray: Any, pattern: str, text: str, timeout_s: float = 15.0) -> bool:
+    """Whether a Ray log file matching `pattern` (under the session's logs) contains `text`."""
+    logs = ray._private.worker._global_node.get_logs_dir_path()  # NOTE: no public accessor in Ray 2.60
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in glob.glob(os.path.join(logs, pattern)):
+            with open(path, encoding="utf-8", errors="replace") as file:
+                if text in file.read():
+                    return True
+        time.sleep(0.5)
+    return False
+
+
 def test_prompts_are_prefilled_on_the_prefill_replica_holding_their_prefix(
     endpoint: tuple[str, Any], single: LLM
 ) -> None:
-    url, _ = endpoint
+    url, ray = endpoint
     rng = random.Random(21)
     prefix = {name: [rng.randrange(5, 4000) for _ in range(48)] for name in ("a", "b")}
     exporter: dict[str, list[str]] = {"a": [], "b": []}
@@ -103,6 +118,8 @@ def test_prompts_are_prefilled_on_the_prefill_replica_holding_their_prefix(
     assert fetched == 3, "every prompt was fetched from the prefill pool"
     assert exporter["a"][0] == exporter["a"][1], "the same prefix went to the same prefill replica"
     assert exporter["b"][0] != exporter["a"][0], "a new prefix went to the other prefill replica"
+    decision = f"kvpager router: 3/4 blocks of the prompt held on replica {exporter['a'][0]}"
+    assert logged(ray, "serve/replica_kvpager_KVPagerEngine_*.log", decision), "a decode replica's router log"
 
 
 def test_a_dead_prefill_pool_degrades_to_a_local_prefill(endpoint: tuple[str, Any], single: LLM) -> None:
@@ -119,3 +136,5 @@ def test_a_dead_prefill_pool_degrades_to_a_local_prefill(endpoint: tuple[str, An
     text, _, cached = complete(url, prompt)
     assert text == greedy_text(single, prompt)
     assert cached == 0, "no KV came from the dead pool: the prompt was prefilled locally"
+    reason = "KV fetch from the prefill server http://kvpagerprefill.serve failed, prefilling locally instead"
+    assert logged(ray, "worker-*.err", reason), "the decode replica logs why it prefilled locally"

@@ -26,6 +26,7 @@ from kvpager.api.server.disagg import PrefillSettings
 from kvpager.core.hashing import hash_prompt_blocks
 
 KEY = "pool-key"
+API_KEY = "pool-api-key"  # NOTE: both pools sit behind it; the decode replicas' fetches must carry it
 PROMPT = list(range(7, 50))  # 43 tokens: 10 full blocks of 4
 
 
@@ -76,7 +77,7 @@ class FakeHandle:
 
 @pytest.fixture(scope="module")
 def replicas(llama_checkpoint: Path) -> Iterator[tuple[EngineReplica, ServerSettings]]:
-    base = ServerSettings(served_model_names=["tiny"], kv_transfer_key=KEY)
+    base = ServerSettings(served_model_names=["tiny"], kv_transfer_key=KEY, api_key=API_KEY)
     prefill_settings, decode_settings = pool_settings(base, timeout_s=0.5)
     prefill = EngineReplica(tiny_llama_config(llama_checkpoint, 64), prefill_settings)
     try:
@@ -87,9 +88,8 @@ def replicas(llama_checkpoint: Path) -> Iterator[tuple[EngineReplica, ServerSett
 
 def complete(replica: EngineReplica, prompt: list[int]) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    request = HttpRequest(
-        "POST", "/v1/completions", b"", [(b"content-type", b"application/json")], json.dumps(body).encode()
-    )
+    headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {API_KEY}".encode())]
+    request = HttpRequest("POST", "/v1/completions", b"", headers, json.dumps(body).encode())
 
     async def run() -> dict:
         chunks = [item async for item in replica.handle(request) if isinstance(item, bytes)]
@@ -108,9 +108,10 @@ def decode_replica(checkpoint: Path, settings: ServerSettings, handle: FakeHandl
 
 
 def test_pool_settings_split_one_servers_settings_into_the_two_roles() -> None:
-    prefill, decode = pool_settings(ServerSettings(kv_transfer_key=KEY), timeout_s=7)
+    prefill, decode = pool_settings(ServerSettings(kv_transfer_key=KEY, api_key=API_KEY), timeout_s=7)
     assert prefill.role == "prefill" and prefill.prefill is None and prefill.kv_transfer_key == KEY
-    assert decode.role == "decode" and decode.prefill == PrefillSettings(PREFILL_POOL_URL, timeout_s=7)
+    assert decode.prefill == PrefillSettings(PREFILL_POOL_URL, api_key=API_KEY, timeout_s=7)
+    assert decode.role == "decode" and prefill.api_key == decode.api_key == API_KEY
     with pytest.raises(ValueError, match="--kv-transfer-key"):
         pool_settings(ServerSettings())
     with pytest.raises(ValueError, match="drop --prefill-url"):

@@ -46,6 +46,9 @@ def pool_settings(
 ) -> tuple[ServerSettings, ServerSettings]:
     """(prefill replicas' settings, decode replicas' settings) from one server's settings.
 
+    Both pools keep the server's `--api-key`; the decode replicas send it with their KV fetches (the
+    export route is behind it).
+
     ValueError when `settings` already names another prefill server or asks for a role, or when no
     `--kv-transfer-key` is set (the decode side would refuse every export).
     """
@@ -62,7 +65,11 @@ def pool_settings(
             "the decode replicas import only what verifies (see docs/security.md)"
         )
     prefill = replace(settings, role="prefill", prefill=None)
-    decode = replace(settings, role="decode", prefill=PrefillSettings(PREFILL_POOL_URL, timeout_s=timeout_s))
+    decode = replace(
+        settings,
+        role="decode",
+        prefill=PrefillSettings(PREFILL_POOL_URL, api_key=settings.api_key, timeout_s=timeout_s),
+    )
     return prefill, decode
 
 
