@@ -177,3 +177,5 @@ def test_prefill_replicas_flag_is_refused_without_replicas_or_a_transfer_key(cap
     assert "--prefill-replicas needs --kv-transfer-key" in capsys.readouterr().err
     assert main(["--replicas", "2", "--prefill-replicas", "-1", "--kv-transfer-key", KEY]) == 2
     assert "--prefill-replicas must be >= 0" in capsys.readouterr().err
+    assert main(["--replicas", "2", "--cpus-per-replica", "0"]) == 2
+    assert "--cpus-per-replica must be > 0" in capsys.readouterr().err

@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs --kv-transfer-key)",
     )
     p.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="with --replicas: Ray CPUs each engine replica reserves (default 1; e.g. 0.5 to place 2 decode + "
+        "2 prefill replicas on a 2-core machine)",
+    )
+    p.add_argument(
         "--replica-router",
         default="kv-aware",
         choices=["kv-aware", "power-of-two"],
@@ -199,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.port,
                 max_waiting=args.max_waiting_requests,
                 router=args.replica_router,
+                cpus_per_replica=args.cpus_per_replica,
                 prefill_replicas=args.prefill_replicas or 0,
                 prefill_timeout_s=args.prefill_timeout,
             )

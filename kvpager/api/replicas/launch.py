@@ -53,6 +53,8 @@ def build_application(
     """
     if num_replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+    if cpus_per_replica <= 0:
+        raise ValueError(f"--cpus-per-replica must be > 0, got {cpus_per_replica}")
     if prefill_replicas < 0:
         raise ValueError(f"--prefill-replicas must be >= 0, got {prefill_replicas}")
     pools = None
