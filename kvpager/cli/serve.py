@@ -63,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs pip install 'kvpager[ray]'; joins $RAY_ADDRESS when set)",
     )
     p.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=None,
+        help="with --replicas N: also deploy M prefill replicas in the same Ray Serve application; the N "
+        "replicas decode, fetching each prompt's KV from the prefill replica holding its prefix "
+        "(needs --kv-transfer-key)",
+    )
+    p.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="with --replicas: Ray CPUs each engine replica reserves (default 1; e.g. 0.5 to place 2 decode + "
+        "2 prefill replicas on a 2-core machine)",
+    )
+    p.add_argument(
         "--replica-router",
         default="kv-aware",
         choices=["kv-aware", "power-of-two"],
@@ -178,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--node-rank {config.node_rank} runs worker ranks only: add --headless")
         if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+        if args.prefill_replicas is not None and args.replicas is None:
+            raise ValueError("--prefill-replicas M needs --replicas N (the decode replicas next to the prefill pool)")
         if args.replicas is not None:
             from kvpager.api.replicas.launch import serve_replicas
 
@@ -189,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.port,
                 max_waiting=args.max_waiting_requests,
                 router=args.replica_router,
+                cpus_per_replica=args.cpus_per_replica,
+                prefill_replicas=args.prefill_replicas or 0,
+                prefill_timeout_s=args.prefill_timeout,
             )
         return _serve(args, config, settings)
     except (ValueError, FileNotFoundError) as exc:

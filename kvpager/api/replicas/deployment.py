@@ -10,6 +10,11 @@ request to the engine deployment with the chain as the routing hint (`KVAwareReq
 response is streamed back chunk by chunk; a client that disconnects cancels the replica's stream,
 which the replica's app sees as a disconnect (the engine request is aborted). `/metrics` merges
 every replica's page with a `replica` label.
+
+With a prefill pool (`--prefill-replicas M`, `prefill_pool.py`) the application holds two engine
+deployments: the decode replicas (behind the ingress) fetch each prompt's KV from the prefill
+deployment through a Ray Serve handle, routed by the prompt's chain like a completion; the ingress
+also sends `POST /v1/kv/export` there, and `/metrics` adds a `role` label to every sample.
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ METRICS_TIMEOUT_S = 10.0
 class EngineReplica:
     """One engine and its HTTP app (a Ray Serve replica)."""
 
-    def __init__(self, config: EngineConfig, settings: ServerSettings, max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        settings: ServerSettings,
+        max_waiting: int | None = None,
+        prefill_handle: Any = None,
+    ) -> None:
+        from kvpager.api.replicas.prefill_pool import ServeHandleTransport
         from kvpager.engine.async_engine import AsyncEngine
         from kvpager.engine.engine import Engine
 
@@ -47,11 +59,15 @@ class EngineReplica:
         self.kv_log = KVEventLog(max_pending=0)  # NOTE: only the held set is read (a full snapshot per report)
         engine.kv_manager.block_pool.add_listener(self.kv_log)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
-        self.app = build_app(self.engine, settings)
-        self.engine.start()
         self.fingerprint = engine.loaded.fingerprint
         self.block_size = config.block_size
+        transport = None
+        if prefill_handle is not None:  # NOTE: a decode replica of an application with a prefill pool
+            transport = ServeHandleTransport(prefill_handle, self.fingerprint, self.block_size)
+        self.app = build_app(self.engine, settings, prefill_transport=transport)
+        self.engine.start()
         self._seq = 0
+        self._num_requests = 0  # HTTP requests handled, reported so that every router spreads new prompts
         self.replica_id = _replica_id()
 
     def describe(self) -> dict[str, Any]:
@@ -60,6 +76,7 @@ class EngineReplica:
 
     async def handle(self, request: HttpRequest, kv_chain: list[str] | None = None) -> AsyncIterator[Any]:
         """Serve one HTTP request through the app: yields the `ResponseStart`, then body chunks."""
+        self._num_requests += 1
         try:
             async for item in stream_asgi(self.app, request):
                 if isinstance(item, ResponseStart):
@@ -85,7 +102,12 @@ class EngineReplica:
         )
         stats = self.engine.stats()
         self._seq += 1
-        return {"seq": self._seq, "kv_blocks": held, "queue_len": int(stats.num_running + stats.num_waiting)}
+        return {
+            "seq": self._seq,
+            "kv_blocks": held,
+            "queue_len": int(stats.num_running + stats.num_waiting),
+            "num_requests": self._num_requests,
+        }
 
     def check_health(self) -> None:
         """Ray Serve's health check: a dead engine loop restarts the replica."""
@@ -101,11 +123,21 @@ class EngineReplica:
 class Ingress:
     """The HTTP entry point: hashes each prompt, routes by it, streams the replica's response back."""
 
-    def __init__(self, engine_handle: Any, num_replicas: int, tokenizer_dir: str, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        engine_handle: Any,
+        num_replicas: int,
+        tokenizer_dir: str,
+        chat_template: str | None,
+        prefill_handle: Any = None,
+        num_prefill_replicas: int = 0,
+    ) -> None:
         from kvpager.text.tokenizer import Tokenizer
 
         self.engine = engine_handle
         self.num_replicas = num_replicas
+        self.prefill = prefill_handle
+        self.num_prefill_replicas = num_prefill_replicas if prefill_handle is not None else 0
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         self.chat_template = chat_template
         self._model: dict[str, Any] | None = None
@@ -126,7 +158,10 @@ class Ingress:
         http = HttpRequest(
             request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body
         )
-        stream = self.engine.options(stream=True).handle.remote(http, kv_chain=chain)
+        target = self.engine
+        if self.prefill is not None and request.url.path.endswith("/kv/export"):
+            target = self.prefill  # NOTE: a decode server outside this application fetching from the pool
+        stream = target.options(stream=True).handle.remote(http, kv_chain=chain)
         try:
             start = await stream.__anext__()
         except StopAsyncIteration:
@@ -178,17 +213,23 @@ class Ingress:
         NOTE: one call at a time: concurrent handle calls made while serving one HTTP request can share
         the request's routing identity in Ray Serve, and then only one of them is routed.
         """
-        pages = []
-        for slot in range(self.num_replicas):
-            try:
-                page = await asyncio.wait_for(
-                    _result(self.engine.metrics_page.remote(metrics_slot=slot)), METRICS_TIMEOUT_S
-                )
-            except Exception as error:  # noqa: BLE001  # a slow or dead replica must not break /metrics
-                logger.warning("/metrics: replica slot %d did not answer: %r", slot, error)
-                continue
-            pages.append(page)
-        return merge_pages(sorted(set(pages)))
+        pools = [("decode", self.engine, self.num_replicas)]
+        if self.prefill is not None:
+            pools.append(("prefill", self.prefill, self.num_prefill_replicas))
+        pages: set[tuple[str, str]] = set()
+        roles: dict[str, str] = {}
+        for role, handle, count in pools:
+            for slot in range(count):
+                try:
+                    page = await asyncio.wait_for(
+                        _result(handle.metrics_page.remote(metrics_slot=slot)), METRICS_TIMEOUT_S
+                    )
+                except Exception as error:  # noqa: BLE001  # a slow or dead replica must not break /metrics
+                    logger.warning("/metrics: %s replica slot %d did not answer: %r", role, slot, error)
+                    continue
+                pages.add(page)
+                roles[page[0]] = role
+        return merge_pages(sorted(pages), roles if self.prefill is not None else None)
 
 
 async def _result(response: Any) -> Any:

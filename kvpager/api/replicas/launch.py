@@ -3,6 +3,10 @@
 Ray is optional (`pip install 'kvpager[ray]'`). With `RAY_ADDRESS` set the app joins that cluster
 (replicas then spread over its machines); otherwise a local Ray instance is started. The same
 application is what `serve run` would deploy: `build_application(...)` returns the bound app.
+
+`prefill_replicas=M` (`--prefill-replicas M`) adds a prefill deployment of M replicas to the same
+application: the N replicas become decode replicas that fetch each prompt's KV from it through a Ray
+Serve handle (`prefill_pool.py`), KV-aware routed like the ingress's requests.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpager.api.server.app import ServerSettings
+from kvpager.api.server.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from kvpager.core.config import EngineConfig
 
 RAY_MISSING = "--replicas needs Ray Serve, which is not installed: pip install 'kvpager[ray]'"
@@ -38,10 +43,25 @@ def build_application(
     max_imbalance: int = 4,
     routing_stats_period_s: float = ROUTING_STATS_PERIOD_S,
     router: str = "kv-aware",
+    prefill_replicas: int = 0,
+    prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S,
 ) -> Any:
-    """The bound Ray Serve application: an ingress in front of `num_replicas` engine replicas."""
+    """The bound Ray Serve application: an ingress in front of `num_replicas` engine replicas.
+
+    With `prefill_replicas` > 0 those are decode replicas, and a prefill deployment of
+    `prefill_replicas` replicas (same engine config) computes the prompts' KV for them.
+    """
     if num_replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+    if cpus_per_replica <= 0:
+        raise ValueError(f"--cpus-per-replica must be > 0, got {cpus_per_replica}")
+    if prefill_replicas < 0:
+        raise ValueError(f"--prefill-replicas must be >= 0, got {prefill_replicas}")
+    pools = None
+    if prefill_replicas:
+        from kvpager.api.replicas.prefill_pool import pool_settings
+
+        pools = pool_settings(settings, prefill_timeout_s)  # NOTE: validated before Ray is touched
     if router not in ROUTERS:
         raise ValueError(f"--replica-router must be one of {', '.join(ROUTERS)}; got {router!r}")
     require_ray()
@@ -61,19 +81,32 @@ def build_application(
     if router == "power-of-two":  # NOTE: Ray Serve's default router (the baseline for benchmarks)
         router_config = {"request_routing_stats_period_s": routing_stats_period_s}
     deployment: Any = serve.deployment
-    engine = deployment(
-        EngineReplica,
-        name=ENGINE_DEPLOYMENT,
-        num_replicas=num_replicas,
-        max_ongoing_requests=max(config.max_num_seqs, 1) + (max_waiting or 256),
-        ray_actor_options={"num_cpus": cpus_per_replica},
-        request_router_config=RequestRouterConfig(**router_config),
-        health_check_period_s=2.0,
-    )
+
+    def engine_deployment(name: str, count: int) -> Any:
+        return deployment(
+            EngineReplica,
+            name=name,
+            num_replicas=count,
+            max_ongoing_requests=max(config.max_num_seqs, 1) + (max_waiting or 256),
+            ray_actor_options={"num_cpus": cpus_per_replica},
+            request_router_config=RequestRouterConfig(**router_config),
+            health_check_period_s=2.0,
+        )
+
     ingress = deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=4096)
     ingress = ingress.options(ray_actor_options={"num_cpus": 0})
     tokenizer_dir = str(config.tokenizer or resolve_model_dir(config.model))
-    return ingress.bind(engine.bind(config, settings, max_waiting), num_replicas, tokenizer_dir, settings.chat_template)
+    engine = engine_deployment(ENGINE_DEPLOYMENT, num_replicas)
+    if pools is None:
+        return ingress.bind(
+            engine.bind(config, settings, max_waiting), num_replicas, tokenizer_dir, settings.chat_template
+        )
+    from kvpager.api.replicas.prefill_pool import PREFILL_DEPLOYMENT
+
+    prefill_settings, decode_settings = pools
+    prefill = engine_deployment(PREFILL_DEPLOYMENT, prefill_replicas).bind(config, prefill_settings, max_waiting)
+    decode = engine.bind(config, decode_settings, max_waiting, prefill)
+    return ingress.bind(decode, num_replicas, tokenizer_dir, settings.chat_template, prefill, prefill_replicas)
 
 
 def serve_replicas(

@@ -7,7 +7,7 @@ lines and make samples ambiguous, so the pages are parsed and re-rendered with t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def _escape(value: str) -> str:
@@ -22,8 +22,11 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def merge_pages(pages: Sequence[tuple[str, str]]) -> str:
-    """`pages` = (replica label, Prometheus text) pairs; the merged text exposition."""
+def merge_pages(pages: Sequence[tuple[str, str]], roles: Mapping[str, str] | None = None) -> str:
+    """`pages` = (replica label, Prometheus text) pairs; the merged text exposition.
+
+    `roles` (replica label -> role) adds a `role` label too: an application with a prefill pool.
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
     helps: dict[str, tuple[str, str]] = {}
@@ -34,6 +37,8 @@ def merge_pages(pages: Sequence[tuple[str, str]]) -> str:
             lines = samples.setdefault(family.name, [])
             for sample in family.samples:
                 labels = {"replica": replica, **sample.labels}
+                if roles is not None and replica in roles:
+                    labels = {"replica": replica, "role": roles[replica], **sample.labels}
                 rendered = ",".join(f'{key}="{_escape(str(value))}"' for key, value in labels.items())
                 lines.append(f"{sample.name}{{{rendered}}} {_number(sample.value)}")
     out: list[str] = []

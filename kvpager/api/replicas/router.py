@@ -9,6 +9,11 @@ Between two reports the router also counts the chains it has just sent to a repl
 (they are being prefilled there), so the next turn of a conversation that arrives before the next
 report still finds its replica; the next report replaces that guess with the replica's real state.
 A request with `metrics_slot=i` goes to the i-th replica (by id), so the ingress can reach each one.
+
+The "fewer requests" tie-break counts what each replica reports it has handled (`num_requests`) plus
+what this router sent it since that report: every caller holds its own router (the ingress, and each
+decode replica calling the prefill pool), so counting only its own sends would make every caller
+start new prompts on the same replica.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ class KVAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, **_: Any) -> None:
         self.max_imbalance = max_imbalance
-        self._num_routed: Counter[str] = Counter()
         self._held: dict[str, tuple[int, frozenset[str]]] = {}  # replica -> (report seq, hashes)
         self._routed_since_report: dict[str, set[str]] = {}
+        self._sent_since_report: Counter[str] = Counter()
         self._chains: dict[str, list[str]] = {}  # request id -> chain, until it is routed
         self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
 
@@ -69,7 +74,7 @@ class KVAwareRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         replica = replica_id.unique_id
-        self._num_routed[replica] += 1
+        self._sent_since_report[replica] += 1
         chain = self._chains.pop(pending_request.metadata.request_id, None)
         if chain:
             self._routed_since_report.setdefault(replica, set()).update(chain)
@@ -83,6 +88,7 @@ class KVAwareRequestRouter(RequestRouter):
             cached = (seq, frozenset(stats.get("kv_blocks", ())))
             self._held[replica_key] = cached
             self._routed_since_report.pop(replica_key, None)  # NOTE: the report is the replica's truth
+            self._sent_since_report.pop(replica_key, None)
         held: set[str] | frozenset[str] = cached[1]
         guessed = self._routed_since_report.get(replica_key)
         if guessed:
@@ -90,4 +96,5 @@ class KVAwareRequestRouter(RequestRouter):
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         if queue_len is None:
             queue_len = int(stats.get("queue_len", 0))
-        return ReplicaView(replica_key, matched(chain, held), int(queue_len), self._num_routed[replica_key])
+        num_requests = int(stats.get("num_requests", 0)) + self._sent_since_report[replica_key]
+        return ReplicaView(replica_key, matched(chain, held), int(queue_len), num_requests)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -108,13 +109,23 @@ class ServerSettings:
             )
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The ASGI app serving `engine`; the engine loop starts with the app (idempotent)."""
+def build_app(
+    engine: AsyncEngine, settings: ServerSettings, prefill_transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """The ASGI app serving `engine`; the engine loop starts with the app (idempotent).
+
+    `prefill_transport` carries the decode role's KV fetches instead of a socket (a Ray Serve handle
+    to the prefill deployment, `api/replicas/prefill_pool.py`).
+    """
     names = list(settings.served_model_names) or [engine.model_name]
     prefill = None
     if settings.prefill is not None:
         prefill = PrefillClient(
-            settings.prefill, int(engine.config.block_size), settings.max_kv_import_bytes, settings.kv_transfer_key
+            settings.prefill,
+            int(engine.config.block_size),
+            settings.max_kv_import_bytes,
+            settings.kv_transfer_key,
+            transport=prefill_transport,
         )
     metrics = ServerMetrics(
         engine.stats, metrics_model_label(settings, names), prefill.stats.as_dict if prefill else None
