@@ -169,6 +169,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         dtype=args.dtype,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
         gguf_int8_activations=args.gguf_int8_activations,
     )
     engine = Engine(config)

@@ -63,6 +63,10 @@ class EngineConfig:
     dtype: str = "auto"  # compute dtype; "auto": the checkpoint's torch_dtype (resolve_dtype)
     quantization: str | None = None  # None | QUANTIZATIONS (weights quantized at load, round-to-nearest)
     quantization_group_size: int | None = None  # None: int8 per output channel, int4 groups of 128
+    # With `quantization` (safetensors / dummy weights): the lm_head int8 per output channel in every mode (a
+    # tied embedding keeps its table in `dtype`, the lm_head gets its own int8 copy); False: lm_head in `dtype`.
+    # Without `quantization` (or for a GGUF file, whose lm_head keeps its own form) it has no effect.
+    quantize_lm_head: bool = True
     # GGUF only: the file's Q8_0 / Q4_0 / Q4_K blocks times activations quantized to int8 per block of 32
     gguf_int8_activations: bool = False
     kv_cache_dtype: str = "auto"  # "auto": same as dtype

@@ -174,7 +174,15 @@ def add_weight_format_args(g: argparse._ActionsContainer) -> None:
         help="weight quantization at load (round-to-nearest): int8 per output channel, int4 in groups "
         "(asymmetric), both exact; w8a8_int8 / w4a8_int8: the same weights, activations quantized to int8 per "
         "block of 32 at each matmul (integer dot products: faster, not exact; groups a multiple of 32); "
-        "embedding, lm_head and norms stay in --dtype",
+        "the lm_head int8 per output channel (see --quantize-lm-head); embedding and norms stay in --dtype",
+    )
+    g.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --quantization: the lm_head int8 per output channel in every mode (a tied embedding keeps its "
+        "--dtype table and the lm_head gets an int8 copy; w8a8_int8 / w4a8_int8 multiply it with int8 "
+        "activations); --no-quantize-lm-head keeps it in --dtype. No effect without --quantization or on GGUF",
     )
     g.add_argument(
         "--quantization-group-size",
@@ -231,6 +239,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
         gguf_int8_activations=args.gguf_int8_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,

@@ -67,6 +67,7 @@ AGREED_FIELDS = (
     "dtype",
     "quantization",
     "quantization_group_size",
+    "quantize_lm_head",
     "kv_cache_dtype",
     "block_size",
     "max_model_len",

@@ -21,8 +21,10 @@ from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
 from kvpager.model.backends.quant_dot import DOT_KERNEL_MAX_ROWS
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
+from kvpager.model.backends.quant_weights import Int8Weight
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
+from kvpager.model.lm_head import lm_head_format
 from kvpager.model.loader import (
     DUMMY_STD,
     load_model,
@@ -149,11 +151,12 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         gguf_model=gguf_model,
         quantization=config.quantization,
         quantization_group_size=config.resolved_quantization_group_size,
+        quantize_lm_head=config.quantize_lm_head,
         parallel=parallel,
         gguf_int8_activations=config.gguf_int8_activations,
     )
     model.eval()
-    log_weight_format(config, spec, device)
+    log_weight_format(config, spec, device, lm_head_format(model))
     weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
     # NOTE: model.spec is this rank's shard (its KV heads) under tensor parallelism, else the model's
@@ -179,6 +182,9 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         # names are the quantized ones (method, group size and a digest of the quantized bytes).
         group = config.resolved_quantization_group_size or "channel"
         weights_digest += f"+{config.quantization}-g{group}:{quantized_weights_digest(model)}"
+        if isinstance(model.lm_head.weight, Int8Weight):
+            # NOTE: the digest above covers the int8 lm_head's bytes too; the tag names the choice outright
+            weights_digest += "+lm_head-int8"
     components = base_fingerprint_components(
         config, spec, model_dir, weights_digest, tokenizer.tokenizer_digest(), config_in_weights=gguf_model is not None
     )
@@ -203,8 +209,9 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
     )
 
 
-def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
-    """One start-up line: the dtype chosen and why, the quantization, and the linear layers' code path."""
+def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.device, lm_head: str | None = None) -> None:
+    """One start-up line: the dtype chosen and why, the quantization, the linear layers' code path and
+    the lm_head's format (`lm_head`: kvpager.model.lm_head.lm_head_format)."""
     if device.type != "cpu":
         path = "torch on " + device.type + (" (packed weights dequantized per call)" if config.quantization else "")
     elif config.quantization is not None or config.dtype in ("bfloat16", "float16"):
@@ -220,11 +227,12 @@ def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.devic
     if config.quantization is not None:
         quant += f", group {config.resolved_quantization_group_size or 'per output channel'}"
     logger.info(
-        "weights: dtype %s (checkpoint %s), quantization %s; linear layers: %s",
+        "weights: dtype %s (checkpoint %s), quantization %s; linear layers: %s%s",
         config.dtype,
         spec.torch_dtype,
         quant,
         path,
+        f"; lm_head: {lm_head}" if lm_head is not None else "",
     )
 
 

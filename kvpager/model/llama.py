@@ -126,7 +126,8 @@ class CausalLM(nn.Module):
     """The decoder plus lm_head. Build on the meta device and fill with `load_state_dict(..., assign=True)`.
 
     Parameter names are transformers' except the fused `qkv_proj` / `gate_up_proj`. With tied
-    embeddings `lm_head.weight` is the embedding tensor itself. With `parallel` (tensor parallelism)
+    embeddings `lm_head.weight` is the embedding tensor itself (unless the loader gave the lm_head a packed
+    weight of its own: a quantized model's int8 copy). With `parallel` (tensor parallelism)
     `spec` is this rank's shard (`parallel.shard_spec`): its heads, MLP features and vocabulary rows.
     """
 
@@ -147,7 +148,8 @@ class CausalLM(nn.Module):
         """Tie lm_head when asked, cast for the compute-dtype rule (kvpager.model.precision), build the
         RoPE table, set the ops (default: torch) and let them arrange the weights; call after weights
         are assigned."""
-        if self.spec.tie_word_embeddings:
+        # NOTE: a packed lm_head (the int8 copy a quantized model multiplies) is kept: the lookup keeps its table
+        if self.spec.tie_word_embeddings and isinstance(self.lm_head.weight, torch.Tensor):
             self.lm_head.weight = self.embed_tokens.weight
         self.compute_dtype = apply_precision(self, dtype, device).compute_dtype
         self.rope = RopeCache.build(self.spec, self.compute_dtype, device)

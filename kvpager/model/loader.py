@@ -5,8 +5,10 @@ are memory-mapped (safetensors_mmap.py) and each of the model's tensors is built
 from the mapped bytes into its final dtype and device (q/k/v and gate/up written into their fused
 tensor part by part), after which the source pages are released. A bfloat16 checkpoint is never held
 in float32, and peak RSS stays near the final weights plus one tensor. With `quantization` the four
-projections of every layer are quantized part by part as they are read (quant_weights.py); the
-embedding, lm_head, norms and biases stay in `dtype`.
+projections of every layer are quantized part by part as they are read (quant_weights.py) and, unless
+`quantize_lm_head` is False, the lm_head is int8 per output channel in every mode (`lm_head_weight`; a
+tied embedding keeps its table in `dtype` and the lm_head gets its own int8 copy of it); the embedding,
+norms and biases stay in `dtype`. A GGUF file's lm_head keeps the form the file gives it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvpager.model.backends.quant_weights import HALF_WEIGHTS, DenseWeight, Half
 from kvpager.model.gguf_packed import layout_of, stack_rows
 from kvpager.model.gguf_weights import GGUFWeights
 from kvpager.model.llama import CausalLM
+from kvpager.model.lm_head import lm_head_weight
 from kvpager.model.parallel import TensorParallel, shard_spec
 from kvpager.model.precision import compute_dtype
 from kvpager.model.safetensors_mmap import MappedSafetensors
@@ -73,6 +76,7 @@ def load_model(
     gguf_model: GGUFModel | None = None,
     quantization: str | None = None,
     quantization_group_size: int | None = None,
+    quantize_lm_head: bool = True,
     parallel: TensorParallel | None = None,
     gguf_dequantize: bool = False,
     gguf_int8_activations: bool = False,
@@ -82,7 +86,9 @@ def load_model(
     kernel_backend: "auto" (C++ kernels for float32 on CPU when they build, else torch), "torch" or
     "cpu" (see kvpager.model.backends.ops.select_ops); kv_dtype: the KV cache's dtype (default: `dtype`).
     quantization: None, "int8" (per output channel, or groups of `quantization_group_size`) or "int4"
-    (groups of `quantization_group_size`, default 128); see kvpager.model.backends.quant_weights.
+    (groups of `quantization_group_size`, default 128); see kvpager.model.backends.quant_weights. With a
+    quantization and `quantize_lm_head` the lm_head is int8 per output channel (`lm_head_weight`), tied or
+    not (safetensors and dummy weights; a GGUF file's lm_head is left as the file has it).
 
     load_format: "auto"/"safetensors" read *.safetensors (sharded via model.safetensors.index.json or
     not); "dummy" draws random weights from config.json alone (normal(0, 0.02) from `seed`, norms at 1).
@@ -112,6 +118,7 @@ def load_model(
             "w8a8_int8 or w4a8_int8"
         )
     spec = spec_from_gguf(gguf_model) if gguf_model is not None else load_model_spec(model_dir)
+    head_method = quantization if quantize_lm_head and gguf_model is None else None
     with torch.device("meta"):
         model = CausalLM(spec if parallel is None else shard_spec(spec, parallel.layout), parallel)
         whole = model if parallel is None else CausalLM(spec)
@@ -161,12 +168,17 @@ def load_model(
                 parts = _shard(parts, shard_plan(name, spec, parallel.layout, parallel.rank))
             if quantization is not None and name.endswith(_PROJECTIONS):
                 packed[name] = cat_rows([_quantized(s, quantization, quantization_group_size, device) for s in parts])
+            elif head_method is not None and name == "lm_head.weight":  # untied: the checkpoint's own lm_head
+                packed[name] = cat_rows([_quantized_head(s, head_method, device) for s in parts])
             elif any(s.packed is not None for s in parts):  # GGUF blocks executed as they are
                 packed[name] = stack_rows([s.packed() if s.packed else DenseWeight(s.read()) for s in parts])
             else:
                 # NOTE: a GGUF model's norms and biases keep the dtype they were read in (GGUFWeights.dtype_of)
                 target = compute_dtype(dtype, device) if gguf is not None and len(expected[name]) == 1 else dtype
                 state[name] = _materialise(parts, expected[name], target, device)
+        if head_method is not None and spec.tie_word_embeddings:
+            # NOTE: tied: the lookup keeps the table in `dtype`; the lm_head multiplies an int8 copy of it
+            packed["lm_head.weight"] = lm_head_weight(state["embed_tokens.weight"], head_method)
     finally:
         for f in files:
             f.close()
@@ -327,6 +339,12 @@ def _materialise(
 
 def _quantized(part: _Source, method: str, group: int | None, device: torch.device) -> PackedWeight:
     weight = quantize(part.read().to(device), method, group)
+    part.release(None)
+    return weight
+
+
+def _quantized_head(part: _Source, method: str, device: torch.device) -> PackedWeight:
+    weight = lm_head_weight(part.read().to(device), method)
     part.release(None)
     return weight
 
