@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from checkpoints import make_llama_checkpoint, make_qwen2_checkpoint
 from gguf_files import write_gguf
 
@@ -17,6 +18,7 @@ from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
 from kvpager.gguf import open_gguf
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
+from kvpager.model.backends.quant_weights import Int8Weight
 
 
 @pytest.mark.parametrize(("budget", "block_size", "max_model_len"), [(1 << 20, 16, 256), (777_777, 5, 100)])
@@ -95,6 +97,45 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_in_every_format(
     if "quantization" in fields:
         element = 2 if engine.config.dtype == "bfloat16" else 4
         assert plan["weight_bytes"] < element * engine.model_spec.num_parameters()  # smaller than unquantized
+
+
+@pytest.mark.parametrize("quantize_lm_head", [True, False], ids=["lm_head-int8", "no-quantize-lm-head"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("quantization", ["int4", "w8a8_int8"])
+def test_plan_counts_the_quantized_lm_head_as_the_engine_holds_it(
+    llama_checkpoint: Path,
+    qwen2_checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    quantization: str,
+    tied: bool,
+    quantize_lm_head: bool,
+) -> None:
+    checkpoint = qwen2_checkpoint if tied else llama_checkpoint
+    budget = 1 << 20
+    config = EngineConfig(
+        model=str(checkpoint), kv_cache_memory=budget, quantization=quantization, quantize_lm_head=quantize_lm_head
+    )
+    engine = Engine(config)
+    kv = KV_FLAGS[engine.config.resolved_kv_cache_dtype]
+    flags = ["--quantization", quantization, "--dtype", "auto", "--kv-dtype", kv, "--kv-cache-memory", str(budget)]
+    flags += [] if quantize_lm_head else ["--no-quantize-lm-head"]
+    plan = plan_json(capsys, str(checkpoint), *flags)
+    assert plan["weight_bytes"] == engine.loaded.weight_bytes
+    assert plan["engine_num_blocks"] == engine.pool.num_blocks
+    spec = engine.model_spec
+    head_int8 = spec.vocab_size * (spec.hidden_size + 4)  # int8 rows + one float32 scale per row
+    if quantize_lm_head:
+        assert isinstance(engine.loaded.model.lm_head.weight, Int8Weight)
+        # the other setting's plan differs by exactly the lm_head's change of format
+        other = plan_json(capsys, str(checkpoint), *flags, "--no-quantize-lm-head")
+        element = {"float32": 4, "bfloat16": 2}[engine.config.dtype]
+        dense_head = 0 if tied else spec.vocab_size * spec.hidden_size * element
+        assert plan["weight_bytes"] - other["weight_bytes"] == head_int8 - dense_head
+        # tied: more bytes than the unquantized tied lm_head, and the plan says so
+        assert ("copy of the tied embedding" in plan["weight_assumption"]) == tied
+    else:
+        assert isinstance(engine.loaded.model.lm_head.weight, torch.Tensor)
+        assert "--no-quantize-lm-head" in plan["weight_assumption"]
 
 
 def test_plan_refuses_weights_together_with_quantization(llama_checkpoint: Path) -> None:

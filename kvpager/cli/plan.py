@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quantization-group-size", type=int, help="as `kvpager serve` (int4 default 128)")
     p.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as `kvpager serve`: with --quantization the lm_head is int8 per output channel (tied embeddings: "
+        "an int8 copy beside the table); --no-quantize-lm-head counts it in --dtype",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -175,6 +182,7 @@ def _options(args: argparse.Namespace, device: Device | None) -> PlanOptions:
         dtype=_engine_dtype(args),
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 

@@ -47,6 +47,7 @@ class PlanOptions:
     dtype: str | None = None  # float32 | bfloat16 | float16 (None with quantization: bfloat16)
     quantization: str | None = None  # core.config.QUANTIZATIONS (int8 | int4 | w8a8_int8 | w4a8_int8)
     quantization_group_size: int | None = None
+    quantize_lm_head: bool = True  # with quantization: the lm_head int8 per output channel (not for GGUF files)
     tensor_parallel_size: int = 1  # engine_*: one rank's pool (its KV heads), as `serve --tensor-parallel-size`
 
     def __post_init__(self) -> None:
@@ -143,8 +144,10 @@ def resolve_weights(
     if options is not None and (options.dtype is not None or options.quantization is not None):
         dtype = options.dtype or "bfloat16"
         group = options.quantization_group_size
-        fmt_e = engine_format(dtype, options.quantization, group)
-        num_bytes = engine_weight_bytes(facts, counts, dtype, options.quantization, group)
+        # NOTE: a GGUF file's lm_head keeps its own form under --quantization (kvpager.model.loader)
+        head = options.quantize_lm_head and gguf_model is None
+        fmt_e = engine_format(dtype, options.quantization, group, head, facts)
+        num_bytes = engine_weight_bytes(facts, counts, dtype, options.quantization, group, head)
         bits = round(8 * num_bytes / counts.total, 3) if counts.total else 0.0
         file_bytes = gguf_model.tensor_bytes() if gguf_model is not None else None
         return WeightsAnswer(fmt_e.name, bits, fmt_e.assumption, num_bytes, file_bytes)

@@ -181,12 +181,25 @@ def quantized_matrix_bytes(out_features: int, in_features: int, method: str, gro
     raise ValueError(f"unknown quantization {method!r}: choose one of {', '.join(QUANTIZATION_WEIGHTS)}")
 
 
+def lm_head_int8_bytes(facts: ModelFacts) -> int:
+    """Bytes of the quantized lm_head (kvpager.model.lm_head): int8 [vocab, hidden], one float32 scale
+    per output channel, in every --quantization mode; for tied embeddings an extra copy of the table."""
+    return quantized_matrix_bytes(facts.vocab_size, facts.hidden_size, "int8", None)
+
+
 def engine_weight_bytes(
-    facts: ModelFacts, counts: ParamCounts, dtype: str, quantization: str | None, group: int | None
+    facts: ModelFacts,
+    counts: ParamCounts,
+    dtype: str,
+    quantization: str | None,
+    group: int | None,
+    quantize_lm_head: bool = True,
 ) -> int:
-    """Exactly what `kvpager serve --dtype DTYPE --quantization Q` holds on the CPU: the projections
-    packed, the embedding and lm_head in `dtype` (tied embeddings once); norms and biases in float32,
-    the compute dtype of every CPU model (kvpager.model.precision's rule, docs/precision.md)."""
+    """Exactly what `kvpager serve --dtype DTYPE --quantization Q [--no-quantize-lm-head]` holds on the
+    CPU: the projections packed; with `quantize_lm_head` the lm_head int8 per output channel (tied: the
+    embedding in `dtype` and an int8 copy for the lm_head), else in `dtype` (tied embeddings once);
+    the embedding in `dtype`; norms and biases in float32, the compute dtype of every CPU model
+    (kvpager.model.precision's rule, docs/precision.md). `quantize_lm_head` applies with a quantization only."""
     if dtype not in ENGINE_DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPE_BYTES)}, got {dtype!r}")
     element = ENGINE_DTYPE_BYTES[dtype]
@@ -196,11 +209,21 @@ def engine_weight_bytes(
     shapes = engine_linear_shapes(facts)
     packed = sum(quantized_matrix_bytes(n, k, quantization, group) for n, k in shapes)
     dense = counts.total - sum(n * k for n, k in shapes) - counts.other
+    if quantize_lm_head:
+        packed += lm_head_int8_bytes(facts)
+        dense -= counts.lm_head  # untied: the lm_head is no longer in `dtype` (tied: 0, the table stays)
     return packed + dense * element + counts.other * compute
 
 
-def engine_format(dtype: str, quantization: str | None, group: int | None) -> WeightFormat:
-    """A WeightFormat describing the engine's storage (bits_per_weight filled in by the caller)."""
+def engine_format(
+    dtype: str,
+    quantization: str | None,
+    group: int | None,
+    quantize_lm_head: bool = True,
+    facts: ModelFacts | None = None,
+) -> WeightFormat:
+    """A WeightFormat describing the engine's storage (bits_per_weight filled in by the caller); `facts`
+    (when known) says whether the embeddings are tied and what the lm_head's int8 copy costs."""
     if quantization is None:
         return WeightFormat(dtype, 8.0 * ENGINE_DTYPE_BYTES[dtype], True, f"kvpager --dtype {dtype}: every tensor")
     if QUANTIZATION_WEIGHTS.get(quantization) == "int8":
@@ -210,9 +233,13 @@ def engine_format(dtype: str, quantization: str | None, group: int | None) -> We
         text = f"kvpager {quantization}: asymmetric int4, float32 scale + offset per group of {group or 128}"
     if quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
         text += f" (activations quantized to int8 per block of {ACTIVATION_BLOCK} at run time)"
-    return WeightFormat(
-        f"{quantization}-kvpager",
-        0.0,
-        False,
-        f"{text}; embedding, lm_head, norms and biases in {dtype} (exact engine bytes)",
-    )
+    if not quantize_lm_head:
+        rest = f"embedding, lm_head, norms and biases in {dtype} (--no-quantize-lm-head)"
+    elif facts is not None and facts.tie_word_embeddings:
+        rest = (
+            f"lm_head int8 per output channel: a copy of the tied embedding, {lm_head_int8_bytes(facts):,} bytes "
+            f"more than an unquantized tied lm_head (--no-quantize-lm-head: no copy); embedding, norms and biases in {dtype}"
+        )
+    else:
+        rest = f"lm_head int8 per output channel; embedding, norms and biases in {dtype}"
+    return WeightFormat(f"{quantization}-kvpager", 0.0, False, f"{text}; {rest} (exact engine bytes)")
