@@ -9,18 +9,16 @@
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
+from dequantized import dequantized_checkpoint
 from engine_helpers import run_greedy
-from safetensors.torch import load_file, save_file
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.engine.engine import Engine
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight
-from kvpager.model.llama import CausalLM
 
 BLOCK = 4
 # bf16 logits move by ~1e-2 with the batch's shape (tests/test_bf16_models.py bounds them): a top-2
@@ -51,34 +49,12 @@ def _config(checkpoint: Path, fmt: str, num_blocks: int, **fields: object) -> En
     return EngineConfig(model=str(checkpoint), **{**base, **FORMATS[fmt], **fields})  # type: ignore[arg-type]
 
 
-def _dequantized_checkpoint(model: CausalLM, src: Path, dst: Path) -> Path:
-    """`src` with every projection replaced by the quantized model's dequantized weights (float32)."""
-    dst.mkdir()
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (src / name).is_file():
-            shutil.copy(src / name, dst / name)
-    tensors = load_file(src / "model.safetensors")
-    spec = model.spec
-    for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        assert isinstance(attn.qkv_proj.weight, Int8Weight | Int4Weight)
-        q, k, v = attn.qkv_proj.weight.dequantize().split([spec.q_size, spec.kv_size, spec.kv_size])
-        gate, up = mlp.gate_up_proj.weight.dequantize().chunk(2)
-        parts = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v, "mlp.gate_proj": gate}
-        parts |= {"mlp.up_proj": up, "self_attn.o_proj": attn.o_proj.weight.dequantize()}
-        parts["mlp.down_proj"] = mlp.down_proj.weight.dequantize()
-        for part, tensor in parts.items():
-            tensors[f"model.layers.{i}.{part}.weight"] = tensor.contiguous()
-    save_file(tensors, dst / "model.safetensors")
-    return dst
-
-
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_model_generates_the_tokens_of_a_float_model_holding_the_dequantized_weights(
     llama_checkpoint: Path, tmp_path: Path, fmt: str
 ) -> None:
     quantized = Engine(_config(llama_checkpoint, fmt, 64))
-    float_dir = _dequantized_checkpoint(quantized.loaded.model, llama_checkpoint, tmp_path / "dequantized")
+    float_dir = dequantized_checkpoint(quantized.loaded.model, llama_checkpoint, tmp_path / "dequantized")
     dense = Engine(_config(float_dir, "int8", 64, quantization=None))
     original = Engine(_config(llama_checkpoint, "int8", 64, quantization=None))
     for prompt in [*PROMPTS.values(), *FILLERS[:3]]:
