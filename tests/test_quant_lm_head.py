@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import make_qwen2_checkpoint
 from dequantized import dequantized_checkpoint
 from engine_helpers import run_greedy
 from safetensors.torch import load_file
@@ -157,3 +158,24 @@ def test_gguf_file_under_quantization_keeps_its_lm_head_as_before() -> None:
     assert isinstance(engine.loaded.model.layers[0].mlp.down_proj.weight, Int8Weight)
     assert not isinstance(engine.loaded.model.lm_head.weight, Int8Weight)
     assert "+lm_head-int8" not in engine.loaded.weights_digest
+
+
+@pytest.mark.slow
+def test_tp2_with_the_int8_lm_head_gives_the_tp1_tokens(tmp_path: Path) -> None:
+    """Tensor parallelism splits the lm_head by vocabulary rows (the last rank's shard padded with zero
+    rows) and quantizes each rank's rows per output channel: the rows TP=1 quantizes, so TP=2 (groups of
+    32 keep the row-parallel projections exact too) must give TP=1's greedy tokens."""
+    qwen = make_qwen2_checkpoint(tmp_path / "qwen2", num_key_value_heads=1, vocab_size=383)  # tied, uneven split
+    fields = {"quantization": "w8a8_int8", "quantization_group_size": 32, "dtype": "float32", "num_threads": 1}
+    prompts = [
+        [int(t) for t in torch.randint(3, 383, (10,), generator=torch.Generator().manual_seed(s))] for s in (1, 2)
+    ]
+    tp2 = _engine(qwen, tensor_parallel_size=2, **fields)
+    try:
+        assert isinstance(tp2.loaded.model.lm_head.weight, Int8DotWeight)  # rank 0's shard
+        got = [run_greedy(tp2, p, 10)[0] for p in prompts]
+    finally:
+        tp2.shutdown()
+    tp1 = _engine(qwen, kernel_backend="torch", **fields)
+    assert isinstance(tp1.loaded.model.lm_head.weight, Int8DotWeight)
+    assert got == [run_greedy(tp1, p, 10)[0] for p in prompts]
