@@ -4,10 +4,13 @@ The text (scripts/data/kjv_heldout.txt) is the first six chapters that scripts/t
 holds out of training (every 40th chapter of the KJV, public domain, from Debian's bible-kjv), so the
 bundled demo model never saw it. Each chapter is one document, scored teacher-forced through kvpager's
 own model (paged KV cache, prefill in chunks): perplexity = exp(mean next-token NLL); top-1
-agreement = share of positions where the format's argmax equals float32's.
+agreement = share of positions where the format's argmax equals float32's. The quantized formats
+run with the lm_head int8 per output channel (kvpager's default, --quantize-lm-head);
+--no-quantize-lm-head scores them with the lm_head in the format's dtype instead.
 
     python scripts/quant_accuracy.py                      # the demo model, every format
     python scripts/quant_accuracy.py --model DIR --formats float32,int4-g32 --json
+    python scripts/quant_accuracy.py --no-quantize-lm-head          # the lm_head left in the dtype
 """
 
 from __future__ import annotations
@@ -76,12 +79,23 @@ def document_logits(model: torch.nn.Module, ids: list[int], dtype: torch.dtype) 
 
 
 def score(
-    model_dir: Path, name: str, docs: list[list[int]], reference: list[torch.Tensor] | None
+    model_dir: Path,
+    name: str,
+    docs: list[list[int]],
+    reference: list[torch.Tensor] | None,
+    quantize_lm_head: bool = True,
 ) -> tuple[Score, list[torch.Tensor]]:
     from kvpager.model.loader import model_weight_bytes
 
     dtype, quantization, group = FORMATS[name]
-    model = load_model(model_dir, dtype=dtype, device="cpu", quantization=quantization, quantization_group_size=group)
+    model = load_model(
+        model_dir,
+        dtype=dtype,
+        device="cpu",
+        quantization=quantization,
+        quantization_group_size=group,
+        quantize_lm_head=quantize_lm_head,
+    )
     nll, agree, count, all_logits = 0.0, 0, 0, []
     for i, ids in enumerate(docs):
         logits = document_logits(model, ids, dtype)[:-1]
@@ -101,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", type=Path, default=TEXT, help="documents separated by <|endoftext|> lines")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
     p.add_argument("--max-tokens", type=int, default=1023, help="tokens per document at most (then cut)")
+    p.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="quantized formats: the lm_head int8 per output channel (default, as kvpager serve) or in the dtype",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.formats.split(",") if n.strip()]
@@ -118,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         ids = tokenizer.encode(text, add_special_tokens=False)
         docs.append(([eot] if eot is not None else []) + ids[:limit])
     reference_score, reference = score(args.model, "float32", docs, None)
-    rows = [reference_score] + [score(args.model, n, docs, reference)[0] for n in names if n != "float32"]
+    others = [n for n in names if n != "float32"]
+    rows = [reference_score] + [score(args.model, n, docs, reference, args.quantize_lm_head)[0] for n in others]
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=2))
         return 0
-    print(f"model {args.model.name}, {len(docs)} held-out documents, {rows[0].tokens} scored tokens\n")
+    head = "int8 per output channel" if args.quantize_lm_head else "in the dtype"
+    print(f"model {args.model.name}, {len(docs)} held-out documents, {rows[0].tokens} scored tokens")
+    print(f"quantized formats: lm_head {head}\n")
     print("| format | weight MiB | perplexity | vs float32 | top-1 agreement with float32 |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

@@ -14,6 +14,7 @@ channel in every mode, tied or untied, unless --no-quantize-lm-head.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,9 @@ from engine_helpers import run_greedy
 from safetensors.torch import load_file
 
 from kvpager.core.config import EngineConfig
+from kvpager.engine.args import add_engine_args, config_from_args
 from kvpager.engine.engine import Engine
+from kvpager.engine.executor import AGREED_FIELDS
 from kvpager.model import allocate_kv_cache, build_attention_metadata, load_model
 from kvpager.model.backends.quant_dot import Int8DotWeight, fake_quantize_activations
 from kvpager.model.backends.quant_weights import Int8Weight
@@ -179,3 +182,12 @@ def test_tp2_with_the_int8_lm_head_gives_the_tp1_tokens(tmp_path: Path) -> None:
     tp1 = _engine(qwen, kernel_backend="torch", **fields)
     assert isinstance(tp1.loaded.model.lm_head.weight, Int8DotWeight)
     assert got == [run_greedy(tp1, p, 10)[0] for p in prompts]
+
+
+def test_quantize_lm_head_flag_defaults_on_and_opts_out_into_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(["--quantization", "int4"])).quantize_lm_head is True
+    config = config_from_args(parser.parse_args(["--quantization", "int4", "--no-quantize-lm-head"]))
+    assert config.quantize_lm_head is False
+    assert "quantize_lm_head" in AGREED_FIELDS  # every tensor-parallel node must agree on it
