@@ -132,10 +132,11 @@ def test_plan_counts_the_quantized_lm_head_as_the_engine_holds_it(
         dense_head = 0 if tied else spec.vocab_size * spec.hidden_size * element
         assert plan["weight_bytes"] - other["weight_bytes"] == head_int8 - dense_head
         # tied: more bytes than the unquantized tied lm_head, and the plan says so
+        assert "lm_head int8 per output channel" in plan["weight_assumption"]
         assert ("copy of the tied embedding" in plan["weight_assumption"]) == tied
     else:
         assert isinstance(engine.loaded.model.lm_head.weight, torch.Tensor)
-        assert "--no-quantize-lm-head" in plan["weight_assumption"]
+        assert "lm_head int8" not in plan["weight_assumption"]
 
 
 def test_plan_refuses_weights_together_with_quantization(llama_checkpoint: Path) -> None:

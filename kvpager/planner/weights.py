@@ -234,7 +234,7 @@ def engine_format(
     if quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
         text += f" (activations quantized to int8 per block of {ACTIVATION_BLOCK} at run time)"
     if not quantize_lm_head:
-        rest = f"embedding, lm_head, norms and biases in {dtype} (--no-quantize-lm-head)"
+        rest = f"embedding, lm_head, norms and biases in {dtype}"  # --no-quantize-lm-head, or a GGUF file
     elif facts is not None and facts.tie_word_embeddings:
         rest = (
             f"lm_head int8 per output channel: a copy of the tied embedding, {lm_head_int8_bytes(facts):,} bytes "
