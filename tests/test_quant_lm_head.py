@@ -101,10 +101,12 @@ def test_quantized_lm_head_logits_equal_the_dequantize_then_matmul_reference(
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_tied_quantized_model_generates_the_tokens_of_a_float_model_holding_the_dequantized_weights(
-    qwen2_checkpoint: Path, tmp_path: Path, method: str
+    qwen2_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, method: str
 ) -> None:
     group = {} if GROUPS[method] is None else {"quantization_group_size": GROUPS[method]}
-    quantized = _engine(qwen2_checkpoint, quantization=method, **group)
+    with caplog.at_level("INFO", logger="kvpager"):
+        quantized = _engine(qwen2_checkpoint, quantization=method, **group)
+    assert "; lm_head: int8 per output channel (a copy of the tied embedding)" in caplog.text  # the start-up log
     dense = _engine(dequantized_checkpoint(quantized.loaded.model, qwen2_checkpoint, tmp_path / "dq"))
     opted_out = _engine(qwen2_checkpoint, quantization=method, quantize_lm_head=False, **group)
     for seed in range(4):
