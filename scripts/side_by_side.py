@@ -1,7 +1,8 @@
 """Drive several OpenAI-compatible servers side by side under one load generator, phases alternated.
 
 Each `--engine NAME=PORT=COMMAND` is started once (all at the same time, so each sits idle while
-another is driven), waited for until `GET /v1/models` answers, then driven by the load generator
+another is driven; `NAME=PORT=@PID` names a server already running as process PID, which this
+script neither starts nor stops), waited for until `GET /v1/models` answers, then driven by the load generator
 (the workplace's shared `loadgen.py`, given with `--loadgen`) at every concurrency in turn. Round r
 drives the engines in order for even r and in reverse for odd r (ABBA), every engine of a round
 getting the same seeded prompts; rounds use different seeds so no prefix cache is hit across
@@ -44,12 +45,23 @@ from pathlib import Path
 class Engine:
     name: str
     port: int
-    command: str
+    command: str  # or "@PID": a server already running as process PID (neither started nor stopped here)
+
+    @property
+    def attached_pid(self) -> int | None:
+        return int(self.command[1:]) if self.command.startswith("@") else None
 
 
 def parse_engine(text: str) -> Engine:
-    name, port, command = text.split("=", 2)
-    return Engine(name, int(port), command)
+    try:
+        name, port, command = text.split("=", 2)
+        engine = Engine(name, int(port), command)
+        engine.attached_pid  # noqa: B018 (checks an "@PID" form)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--engine must be NAME=PORT=COMMAND or NAME=PORT=@PID, got {text!r}"
+        ) from None
+    return engine
 
 
 def parse_concurrency(text: str) -> list[tuple[int, int]]:
@@ -61,11 +73,11 @@ def parse_concurrency(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def wait_ready(engine: Engine, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_ready(engine: Engine, proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{engine.port}/v1/models"
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise SystemExit(f"{engine.name} exited with {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
@@ -128,21 +140,26 @@ def main() -> None:
     args.tokenizer = loadgen_tokenizer(args.tokenizer, Path(args.log_dir))
 
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    pids: dict[str, int] = {}
     try:
         for engine in args.engine:
+            if engine.attached_pid is not None:  # started beforehand (e.g. an engine that takes long to start)
+                pids[engine.name] = engine.attached_pid
+                continue
             log = open(Path(args.log_dir) / f"{engine.name}.log", "wb")  # noqa: SIM115
             procs[engine.name] = subprocess.Popen(
                 shlex.split(engine.command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+            pids[engine.name] = procs[engine.name].pid
         for engine in args.engine:
-            wait_ready(engine, procs[engine.name], args.ready_timeout)
+            wait_ready(engine, procs.get(engine.name), args.ready_timeout)
         results: list[dict] = []
         for r in range(args.rounds):
             order = args.engine if r % 2 == 0 else list(reversed(args.engine))
             for c, n in args.concurrency:
                 seed = args.seed + 1000 * r + c
                 for engine in order:
-                    results.append(drive(args, engine, procs[engine.name].pid, c, n, seed))
+                    results.append(drive(args, engine, pids[engine.name], c, n, seed))
         summarise(args.engine, args.concurrency, results)
     finally:
         for proc in procs.values():
