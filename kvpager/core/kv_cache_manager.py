@@ -60,7 +60,8 @@ class BlockStore(Protocol):
 
     def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
         """Start finding out (in the background) which of `hashes` a remote store holds; False when
-        `contains` answers for them now. A started lookup finishes like a load of 0 blocks."""
+        `contains` answers for them now. A started lookup finishes like a load of 0 blocks.
+        `job_id` HINT_JOB: nobody waits for it (`finished_loads` never reports it)."""
         ...
 
     def finished_loads(self) -> dict[int, int]:
@@ -70,6 +71,10 @@ class BlockStore(Protocol):
     def wait_for_loads(self, timeout: float) -> None:
         """Block until some load completes or `timeout` seconds pass (the engine has nothing to run)."""
         ...
+
+
+# The job id of a lookup started ahead of scheduling (`KVCacheManager.hint_lookup`): only its answers are kept.
+HINT_JOB = -1
 
 
 @dataclass(slots=True)
@@ -378,6 +383,20 @@ class KVCacheManager:
         self.block_pool.free(self._req_to_blocks.pop(request_id, []))
         self._req_to_hashes.pop(request_id, None)
         self._req_to_num_cached_blocks.pop(request_id, None)
+
+    def hint_lookup(self, token_ids: Sequence[int]) -> None:
+        """Ask the remote store about a prompt's chain before the request reaches the scheduler.
+
+        Called where a request arrives (the API's thread), so the store's answer is usually back by
+        the step that schedules it, which then loads or computes at once instead of waiting a step as
+        WAITING_FOR_REMOTE_KVS. Reads only immutable state (the hash seed, the block size) and calls the
+        store's thread-safe `start_lookup`; does nothing without a store or prefix caching.
+        """
+        if self.store is None or not self.enable_caching or len(token_ids) <= self.block_size:
+            return
+        hashes: list[BlockHash] = []
+        extend_block_hashes(self.hash_seed, hashes, list(token_ids[: len(token_ids) - 1]), self.block_size)
+        self.store.start_lookup(HINT_JOB, hashes)
 
     def _hashes(self, request: Request) -> list[BlockHash]:
         if not self.enable_caching:

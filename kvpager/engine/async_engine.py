@@ -85,6 +85,9 @@ class AsyncEngine:
         self._stopped = False
         self._engine_shut_down = False
         self._thread: threading.Thread | None = None
+        # NOTE: only a shared store answers slower than a step; without one a hint would only hash the prompt
+        config = getattr(engine, "config", None)
+        self._hint_lookups = getattr(config, "kv_cache_remote", None) is not None and hasattr(engine, "kv_manager")
 
     # -- pass-throughs the server reads ---------------------------------------------------------
     @property
@@ -153,6 +156,9 @@ class AsyncEngine:
         full and `EngineDeadError` when the loop is not running.
         """
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._abort)
+        if isinstance(prompt, list) and self._hint_lookups:
+            # the shared store's answer for this prompt is usually back before the step that schedules it
+            self.engine.kv_manager.hint_lookup(prompt)
         with self._cond:
             self._check_accepting(request_id)
             self._streams[request_id] = stream

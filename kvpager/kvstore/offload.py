@@ -35,6 +35,7 @@ import torch
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
+from kvpager.core.kv_cache_manager import HINT_JOB
 from kvpager.kvstore.block_io import BlockIO, host_copy
 from kvpager.kvstore.codec import get_codec
 from kvpager.kvstore.remote import RemoteTier
@@ -362,7 +363,8 @@ class TieredBlockStore:
         except Exception:  # NOTE: a failed lookup is a miss; the request still gets its answer
             logger.exception("KV tiers: remote lookup failed")
         with self._cond:
-            self._finished[lookup.job_id] = 0
+            if lookup.job_id != HINT_JOB:  # a hint's answers are kept by the store; nobody waits for it
+                self._finished[lookup.job_id] = 0
             self._cond.notify_all()
 
     def _run_job(self, job: _Job) -> None:

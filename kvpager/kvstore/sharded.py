@@ -39,6 +39,7 @@ import torch
 
 from kvpager.core.config import EngineConfig
 from kvpager.core.hashing import BlockHash
+from kvpager.core.kv_cache_manager import HINT_JOB
 from kvpager.core.step_codec import TierOps
 from kvpager.kvstore.offload import build_tiers, run_worker
 from kvpager.kvstore.publisher import RemoteWriter
@@ -234,7 +235,8 @@ class ShardedTierStore:
             logger.exception("KV tiers: remote lookup failed")
         finally:
             with self._cond:
-                self._finished[job_id] = 0
+                if job_id != HINT_JOB:  # a hint's answers are kept by the store; nobody waits for it
+                    self._finished[job_id] = 0
                 self._lookup_busy = False
                 self._cond.notify_all()
         return True
