@@ -37,4 +37,4 @@ system-deps:
 	else echo "note: missing some of $(SYSTEM_PACKAGES) (apt-get install -y $(SYSTEM_PACKAGES)); the browser and KV store tests will skip"; fi
 
 test: lint system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25

@@ -1,5 +1,5 @@
-"""One Ray Serve application with both pools (`kvpager serve --replicas 2 --prefill-replicas 2`):
-two decode replicas behind the endpoint fetch each prompt's KV from two prefill replicas through a
+"""One Ray Serve application with both pools (`kvpager serve --replicas 1 --prefill-replicas 2`):
+the decode replica behind the endpoint fetches each prompt's KV from two prefill replicas through a
 Serve handle, routed by the prompt's block-hash chain (demo model, local Ray with 2 CPUs).
 
 A request is prefilled on a prefill replica (its export counter moves, the decode side counts the
@@ -47,9 +47,9 @@ def endpoint() -> Iterator[tuple[str, Any]]:
         app = build_application(
             EngineConfig(**ENGINE),
             settings,
-            2,
+            1,  # NOTE: one decode replica: the routing under test is the decode side's, among prefill replicas
             prefill_replicas=2,
-            cpus_per_replica=0.5,  # NOTE: four engines on the test's 2 Ray CPUs
+            cpus_per_replica=0.5,  # NOTE: three engines on the test's 2 Ray CPUs
             routing_stats_period_s=0.2,
             prefill_timeout_s=8,  # NOTE: a dead pool is waited for this long before the local prefill
         )

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_llama_checkpoint
 from redis_server import StoreServer
 
 from kvpager.core.config import EngineConfig
@@ -41,8 +40,8 @@ RANK1 = KVShard(1, 1, 2)  # the llama checkpoint's 2 KV heads: rank 0 holds head
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama_checkpoint(tmp_path_factory.mktemp("tp-store-llama"))  # 4 heads, 2 KV heads: split
+def llama_dir(llama_checkpoint: Path) -> Path:
+    return llama_checkpoint  # 4 heads, 2 KV heads: split over the two ranks
 
 
 @pytest.fixture(scope="module")
