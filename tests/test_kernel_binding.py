@@ -53,7 +53,7 @@ def test_a_checked_call_computes_what_torch_does(kernels: Any) -> None:
         ({"x": torch.randn(3, 37, dtype=torch.float64)}, r"x must be torch\.float32, got torch\.float64"),
         ({"w": torch.randn(7, 36)}, r"w must have shape \['N', 'K=37'\], got \[7, 36\]"),
         ({"bias": torch.randn(8)}, r"bias must have shape \['N=7'\], got \[8\]"),
-        ({"out": torch.empty(3, 8)}, r"out must have shape \['M=3', 'N=7'\], got \[3, 8\]"),
+        ({"out": torch.zeros(3, 8)}, r"out must have shape \['M=3', 'N=7'\], got \[3, 8\]"),
         ({"x": torch.randn(37, 3).t()}, r"x must be contiguous"),
         ({"x": torch.empty(3, 37, device="meta")}, r"x must be on the CPU, got meta"),
         ({"x": [[0.0] * 37] * 3}, r"x must be a tensor, got list"),
