@@ -213,23 +213,17 @@ class TieredBlockStore:
     def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
         """Start asking the remote store about the chain past what the local tiers hold; False when
         `contains` can answer for it now (no remote tier, store down, or every answer still known)."""
-        remote = self.tiers.remote
-        if remote is None:
+        chain = self.tiers.remote_lookup_chain(hashes, self._staged)
+        if chain is None:
             return False
-        for index, block_hash in enumerate(hashes):
-            if block_hash in self._staged or self.tiers.contains(block_hash):
-                continue
-            if not remote.needs_lookup(block_hash):
-                return False
-            lookup = _Lookup(job_id, list(hashes[index:]))
-            with self._cond:
-                if not self._closed:
-                    self._lookups.append(lookup)
-                    self._cond.notify_all()
-                    return True
-            self._run_lookup(lookup)  # NOTE: after close(), inline
-            return True
-        return False
+        lookup = _Lookup(job_id, chain)
+        with self._cond:
+            if not self._closed:
+                self._lookups.append(lookup)
+                self._cond.notify_all()
+                return True
+        self._run_lookup(lookup)  # NOTE: after close(), inline
+        return True
 
     def finished_loads(self) -> dict[int, int]:
         with self._cond:

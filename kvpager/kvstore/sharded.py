@@ -123,21 +123,15 @@ class ShardedTierStore:
     def start_lookup(self, job_id: int, hashes: Sequence[BlockHash]) -> bool:
         """Ask the shared store (on the lookup thread) about the chain past what the tiers are known to
         hold; False when `contains` answers for it now (no store, store down, answers still known)."""
-        remote = self.tiers.remote
-        if remote is None:
+        chain = self.tiers.remote_lookup_chain(hashes, self._staged)
+        if chain is None:
             return False
-        for index, block_hash in enumerate(hashes):
-            if block_hash in self._staged or self.tiers.contains(block_hash):
-                continue
-            if not remote.needs_lookup(block_hash):
+        with self._cond:
+            if self._closed:
                 return False
-            with self._cond:
-                if self._closed:
-                    return False
-                self._lookups.append((job_id, list(hashes[index:])))
-                self._cond.notify_all()
-            return True
-        return False
+            self._lookups.append((job_id, chain))
+            self._cond.notify_all()
+        return True
 
     def finished_loads(self) -> dict[int, int]:
         with self._cond:

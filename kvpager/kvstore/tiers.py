@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -380,6 +381,18 @@ class KVTiers:
     def contains(self, block_hash: BlockHash) -> bool:
         """Whether a tier holds the block; for the remote tier, as far as earlier answers tell (no round trip)."""
         return self.contains_locally(block_hash) or (self.remote is not None and self.remote.contains(block_hash))
+
+    def remote_lookup_chain(self, hashes: Sequence[BlockHash], staged: Collection[BlockHash]) -> list[BlockHash] | None:
+        """The part of a chain only a round trip to the remote store can answer for: from the first
+        block neither `staged` nor known to a tier, when the store has no fresh answer for it; None when
+        `contains` answers for the whole chain now (no remote tier, store down, answers still known)."""
+        if self.remote is None:
+            return None
+        for index, block_hash in enumerate(hashes):
+            if block_hash in staged or self.contains(block_hash):
+                continue
+            return list(hashes[index:]) if self.remote.needs_lookup(block_hash) else None
+        return None
 
     def contains_locally(self, block_hash: BlockHash) -> bool:
         """Whether the host or disk tier holds the block."""
