@@ -49,6 +49,7 @@ class RemoteWriter:
         self._cond = threading.Condition()
         self._queue: deque[tuple[BlockHash, torch.Tensor]] = deque()
         self._busy = False
+        self._writing: BlockHash | None = None  # the block being written (listed by `queued`)
         self._closed = False
         # NOTE: the thread holds the writer weakly between writes, so one dropped without close() is
         # still collected; the thread then ends.
@@ -76,6 +77,12 @@ class RemoteWriter:
             self.remote.count("publish_dropped", dropped)
         return len(copies)
 
+    def queued(self) -> list[BlockHash]:
+        """The hashes waiting to be written or being written, newest first."""
+        with self._cond:
+            queued = [block_hash for block_hash, _ in reversed(self._queue)]
+            return queued + ([self._writing] if self._writing is not None else [])
+
     def drain(self) -> None:
         """Wait until every queued block was written (or dropped because the store went down)."""
         with self._cond:
@@ -97,7 +104,7 @@ class RemoteWriter:
             if not self._queue:
                 return not self._closed
             block_hash, block = self._queue.popleft()
-            self._busy = True
+            self._busy, self._writing = True, block_hash
         try:
             if self.remote.available and self.remote.put(block_hash, block):
                 self.remote.count("published")
@@ -105,7 +112,7 @@ class RemoteWriter:
             logger.exception("KV store: could not publish block %s", block_hash.hex()[:16])
         finally:
             with self._cond:
-                self._busy = False
+                self._busy, self._writing = False, None
                 self._cond.notify_all()
         return True
 
@@ -155,6 +162,15 @@ class RemotePublisher:
         if fresh:
             self._publish(fresh)
         return len(fresh)
+
+    def pending(self) -> list[BlockHash]:
+        """The hashes announced or queued for writing and not yet written, newest first.
+
+        NOTE: any thread: the announced list is copied first (one atomic step in CPython) and the
+        writer's queue is read under its lock."""
+        announced = list(self._announced)
+        queued = self.writer.queued() if self.writer is not None else []
+        return [block_hash for block_hash, _ in reversed(announced)] + queued
 
     def _copy_to_writer(self, blocks: list[tuple[BlockHash, int]]) -> None:
         assert self.writer is not None and self.io is not None

@@ -30,6 +30,7 @@ never held across a network call.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -190,6 +191,12 @@ class RemoteTier(RecordTier):
     def knows(self, block_hash: BlockHash) -> bool:
         """Whether this engine wrote or read `block_hash` recently (no round trip; may be stale)."""
         return block_hash in self._known
+
+    def recent_known(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` hashes this engine wrote to or found in the store, newest first (what a replica
+        reports to the router; may be stale: the server's LRU can have evicted them since)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._known), max(limit, 0)))
 
     def key(self, block_hash: BlockHash) -> bytes:
         """The key of this tier's record (its shard) of `block_hash`."""

@@ -4,6 +4,10 @@
 route, error, stream and abort behaves as on a single server. It reports its prefix-cache state (KV
 events) and queue length to the router through `record_routing_stats`.
 
+With a shared KV store (`--kv-cache-remote`) a replica also reports `kv_store_blocks`: the hashes it
+knows the store holds or is writing there (`store_blocks_of`), so that the router does not favour a
+replica for a prefix every replica can restore from the store.
+
 `Ingress` takes the HTTP requests: it tokenizes the prompt as the engine will (same tokenizer and
 chat template), hashes its full blocks with the replicas' fingerprint-seeded chain, and hands the
 request to the engine deployment with the chain as the routing hint (`KVAwareRequestRouter`). The
@@ -37,6 +41,7 @@ from kvpager.core.kv_events import KVEventLog
 logger = logging.getLogger("ray.serve")  # NOTE: Ray Serve writes this logger to the replica logs
 
 REPLICA_HEADER = b"x-kvpager-replica"
+STORE_REPORT_LIMIT = 4096  # hashes of the shared store one report carries (the newest this replica knows)
 SNAPSHOT_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 10.0
 
@@ -97,17 +102,22 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this: the held block hashes (short hex) and the queue length."""
         log = self.kv_log
-        held: list[str] = await asyncio.wait_for(
-            self.engine.run_in_engine(lambda _: [h[:8].hex() for h in log.held]), SNAPSHOT_TIMEOUT_S
-        )
+
+        def snapshot(engine: Any) -> tuple[list[str], list[str] | None]:
+            return [h[:8].hex() for h in log.held], store_blocks_of(engine)
+
+        held, stored = await asyncio.wait_for(self.engine.run_in_engine(snapshot), SNAPSHOT_TIMEOUT_S)
         stats = self.engine.stats()
         self._seq += 1
-        return {
+        report: dict[str, Any] = {
             "seq": self._seq,
             "kv_blocks": held,
             "queue_len": int(stats.num_running + stats.num_waiting),
             "num_requests": self._num_requests,
         }
+        if stored is not None:
+            report["kv_store_blocks"] = stored
+        return report
 
     def check_health(self) -> None:
         """Ray Serve's health check: a dead engine loop restarts the replica."""
@@ -118,6 +128,32 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def store_blocks_of(engine: Any, limit: int = STORE_REPORT_LIMIT) -> list[str] | None:
+    """The short hex hashes of at most `limit` blocks `engine` knows the shared store holds, newest
+    first, or None when it has no store.
+
+    First the blocks its publisher has announced or queued and not yet written (they are on their
+    way), then the newest of those it wrote to or found in the store (`RemoteTier.recent_known`).
+    Empty while the store is marked down. A hash the server has evicted since stays listed until this
+    engine misses it or it ages out: the router then sends the prompt by queue length and the prefix
+    is recomputed, never answered wrongly (every load is checked against its record).
+    """
+    store = getattr(engine, "kv_store", None)
+    remote = getattr(getattr(store, "tiers", None), "remote", None)
+    if remote is None:
+        return None
+    if not remote.available:
+        return []
+    publisher = getattr(engine, "kv_publisher", None)
+    pending = publisher.pending() if publisher is not None else []
+    hashes = dict.fromkeys(h[:8].hex() for h in pending[:limit])
+    for block_hash in remote.recent_known(limit):
+        if len(hashes) >= limit:
+            break
+        hashes.setdefault(block_hash[:8].hex(), None)
+    return list(hashes)
 
 
 class Ingress:
