@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replica-router",
         default="kv-aware",
-        choices=["kv-aware", "power-of-two"],
-        help="with --replicas: kv-aware (prefix-cache state + queue length) or Ray Serve's default",
+        choices=["kv-aware", "kv-aware-device", "power-of-two"],
+        help="with --replicas: kv-aware (prefix-cache state beyond what the shared store holds + queue "
+        "length), kv-aware-device (device prefix-cache state only, ignoring the store) or Ray Serve's default",
     )
     p.add_argument(
         "--tool-call-parser",

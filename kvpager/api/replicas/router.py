@@ -2,12 +2,17 @@
 
 Every engine replica reports, through Ray Serve's `record_routing_stats` (polled every
 `request_routing_stats_period_s`), the hashes its device pool holds (from its KV events) and its
-queue length. The ingress passes each request's block-hash chain (`kv_chain`, hashed with the same
-fingerprint-seeded chain) as a keyword argument; the router ranks the replicas with `policy.rank`.
+queue length; with a shared KV store also `kv_store_blocks`, the hashes it knows the store holds or
+is writing there (bounded, `deployment.store_blocks_of`). The ingress passes each request's
+block-hash chain (`kv_chain`, hashed with the same fingerprint-seeded chain) as a keyword argument;
+the router ranks the replicas with `policy.rank`, the store's part of the chain being the leading
+blocks held in the union of every candidate's store report (`store_aware=False`: ignored, the
+device-only rule). The router never talks to the store itself.
 
 Between two reports the router also counts the chains it has just sent to a replica as held there
-(they are being prefilled there), so the next turn of a conversation that arrives before the next
-report still finds its replica; the next report replaces that guess with the replica's real state.
+(they are being prefilled there) and, when that replica reports a store, as held in the store (it
+publishes what it computes), so the next turn of a conversation that arrives before the next report
+still finds its replica; the next report replaces that guess with the replica's real state.
 A request with `metrics_slot=i` goes to the i-th replica (by id), so the ingress can reach each one.
 
 The "fewer requests" tie-break counts what each replica reports it has handled (`num_requests`) plus
@@ -20,23 +25,32 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvpager.api.replicas.policy import DEFAULT_MAX_IMBALANCE, ReplicaView, matched, rank
+from kvpager.api.replicas.policy import DEFAULT_MAX_IMBALANCE, ReplicaView, matched, matched_in_any, rank
 
 logger = logging.getLogger("ray.serve")  # NOTE: Ray Serve writes this logger to the process's Serve log
 
 MAX_DECISIONS = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class _Report:
+    seq: int
+    held: frozenset[str]  # device pool
+    stored: frozenset[str] | None  # shared store (None: the replica has none)
+
+
 class KVAwareRequestRouter(RequestRouter):
     """Prefers the replica holding the longest prefix of the prompt, balanced against queue length."""
 
-    def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, **_: Any) -> None:
+    def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, store_aware: bool = True, **_: Any) -> None:
         self.max_imbalance = max_imbalance
-        self._held: dict[str, tuple[int, frozenset[str]]] = {}  # replica -> (report seq, hashes)
+        self.store_aware = store_aware
+        self._reports: dict[str, _Report] = {}
         self._routed_since_report: dict[str, set[str]] = {}
         self._sent_since_report: Counter[str] = Counter()
         self._chains: dict[str, list[str]] = {}  # request id -> chain, until it is routed
@@ -55,18 +69,25 @@ class KVAwareRequestRouter(RequestRouter):
         chain = [str(h) for h in kwargs.get("kv_chain") or ()]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(replica, chain) for replica in candidate_replicas]
-        ranked = rank(views, self.max_imbalance)
+        store_blocks = self._store_blocks(chain, list(by_id)) if self.store_aware else 0
+        ranked = rank(views, self.max_imbalance, store_blocks)
         best = ranked[0]
         if pending_request is not None:
             self._chains[pending_request.metadata.request_id] = chain
         self.decisions.append(
-            {"replica": best.replica, "matched_blocks": best.matched_blocks, "chain_blocks": len(chain)}
+            {
+                "replica": best.replica,
+                "matched_blocks": best.matched_blocks,
+                "store_blocks": store_blocks,
+                "chain_blocks": len(chain),
+            }
         )
         logger.info(
-            "kvpager router: %d/%d blocks of the prompt held on replica %s (queue %d); others: %s",
+            "kvpager router: %d/%d blocks of the prompt held on replica %s (%d in the store; queue %d); others: %s",
             best.matched_blocks,
             len(chain),
             best.replica,
+            store_blocks,
             best.queue_len,
             ", ".join(f"{v.replica}={v.matched_blocks}/q{v.queue_len}" for v in ranked[1:]) or "none",
         )
@@ -79,22 +100,44 @@ class KVAwareRequestRouter(RequestRouter):
         if chain:
             self._routed_since_report.setdefault(replica, set()).update(chain)
 
-    def _view(self, replica: RunningReplica, chain: list[str]) -> ReplicaView:
+    def _report(self, replica: RunningReplica) -> _Report:
+        """The replica's last report (cached per report: a new one replaces this router's guesses)."""
         replica_key = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
         seq = int(stats.get("seq", -1))
-        cached = self._held.get(replica_key)
-        if cached is None or cached[0] != seq:
-            cached = (seq, frozenset(stats.get("kv_blocks", ())))
-            self._held[replica_key] = cached
+        report = self._reports.get(replica_key)
+        if report is None or report.seq != seq:
+            stored = stats.get("kv_store_blocks")
+            report = _Report(
+                seq, frozenset(stats.get("kv_blocks", ())), frozenset(stored) if stored is not None else None
+            )
+            self._reports[replica_key] = report
             self._routed_since_report.pop(replica_key, None)  # NOTE: the report is the replica's truth
             self._sent_since_report.pop(replica_key, None)
-        held: set[str] | frozenset[str] = cached[1]
+        return report
+
+    def _view(self, replica: RunningReplica, chain: list[str]) -> ReplicaView:
+        replica_key = replica.replica_id.unique_id
+        report = self._report(replica)
+        held: set[str] | frozenset[str] = report.held
         guessed = self._routed_since_report.get(replica_key)
         if guessed:
-            held = cached[1] | guessed
+            held = report.held | guessed
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         if queue_len is None:
-            queue_len = int(stats.get("queue_len", 0))
-        num_requests = int(stats.get("num_requests", 0)) + self._sent_since_report[replica_key]
+            queue_len = int((replica.routing_stats or {}).get("queue_len", 0))
+        num_requests = int((replica.routing_stats or {}).get("num_requests", 0)) + self._sent_since_report[replica_key]
         return ReplicaView(replica_key, matched(chain, held), int(queue_len), num_requests)
+
+    def _store_blocks(self, chain: list[str], replicas: list[str]) -> int:
+        """Leading blocks of `chain` in the shared store, as the candidates report it (0 without one)."""
+        helds: list[set[str] | frozenset[str]] = []
+        for replica in replicas:
+            report = self._reports.get(replica)
+            if report is None or report.stored is None:
+                continue
+            helds.append(report.stored)
+            guessed = self._routed_since_report.get(replica)
+            if guessed:
+                helds.append(guessed)
+        return matched_in_any(chain, helds) if helds else 0
