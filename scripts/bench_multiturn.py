@@ -23,7 +23,12 @@ Settings (`--settings`, comma-separated; all by default):
   picked at random (Ray Serve's default router);
 - `kv-aware+store`: `kv-aware` with a shared Redis/Valkey store (`--kv-cache-remote URL`, or a
   `redis-server`/`valkey-server` started here on a free port; a given URL should hold no blocks of
-  this model from an earlier run, or they count as hits).
+  this model from an earlier run, or they count as hits). The router is store-aware: a prefix the
+  store holds (as the replicas report it, `deployment.store_blocks_of`) favours no replica, so the
+  queue length decides; `--no-router-store-aware` runs the device-only rule for comparison.
+
+The local backend's queue length of a replica is the requests sent there and not yet finished (as
+Ray Serve's router counts them), for every router.
 
 Backends:
 - `local` (default): the engines run in this process — what routing and the store save, without
@@ -34,6 +39,8 @@ Backends:
 
     python scripts/bench_multiturn.py --conversations 32 --turns 6
     python scripts/bench_multiturn.py --conversations 32 --turns 6 --max-tokens 8:56 --think-ms 0:400
+    python scripts/bench_multiturn.py --conversations 32 --turns 6 --settings kv-aware+store \
+        --no-router-store-aware    # the same workload with the device-only rule
     python scripts/bench_multiturn.py --conversations 2 --turns 2 --system-tokens 32 --user-tokens 8 \
         --max-tokens 2 --kv-cache-memory 4MiB    # smoke run on the bundled demo model
 """
@@ -59,7 +66,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpager.api.replicas.policy import ReplicaView, hex_chain, matched, rank  # noqa: E402
+from kvpager.api.replicas.deployment import store_blocks_of  # noqa: E402
+from kvpager.api.replicas.policy import ReplicaView, hex_chain, matched, matched_in_any, rank  # noqa: E402
 from kvpager.core.config import EngineConfig  # noqa: E402
 from kvpager.core.hashing import hash_prompt_blocks  # noqa: E402
 from kvpager.core.kv_events import KVEventLog  # noqa: E402
@@ -185,11 +193,12 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list
 class LocalReplicas:
     """N engines in this process; `route` picks one per request with the setting's router."""
 
-    def __init__(self, config: EngineConfig, num: int, router: str, seed: int = 0) -> None:
+    def __init__(self, config: EngineConfig, num: int, router: str, seed: int = 0, *, store_aware: bool = True) -> None:
         from kvpager.engine.async_engine import AsyncEngine
         from kvpager.engine.engine import Engine
 
         self.router = router
+        self.store_aware = store_aware
         self.engines: list[Any] = []
         self.logs: list[KVEventLog] = []
         for _ in range(num):
@@ -202,14 +211,23 @@ class LocalReplicas:
         self.block_size = config.block_size
         self._routed = [0] * num  # the KV-aware router's own count (its tie-break)
         self.routed = [0] * num  # requests sent to each replica, every router
+        self._in_flight = [0] * num  # requests sent to each replica and not finished (its queue)
         self._round_robin = itertools.cycle(range(num))
         self._rng = random.Random(seed)
         for engine in self.engines:
             engine.start()
 
     def _queue(self, index: int) -> int:
-        stats = self.engines[index].stats()
-        return int(stats.num_running + stats.num_waiting)
+        # NOTE: not the engine's stats (as of its last step): requests routed during one step would
+        # all see the same queue, and a conversation's next turns arrive together in lockstep runs
+        return self._in_flight[index]
+
+    def _store_blocks(self, chain: list[str]) -> int:
+        """Leading blocks of `chain` in the shared store, as the replicas would report it."""
+        if not self.store_aware:
+            return 0
+        reports = [store_blocks_of(engine.engine) for engine in self.engines]
+        return matched_in_any(chain, [set(r) for r in reports if r is not None])
 
     def route(self, prompt: list[int]) -> int:
         num = len(self.engines)
@@ -223,7 +241,7 @@ class LocalReplicas:
         for i, log in enumerate(self.logs):
             held = {h[:8].hex() for h in log.held.copy()}  # NOTE: set.copy is atomic; the engine thread adds
             views.append(ReplicaView(str(i), matched(chain, held), self._queue(i), self._routed[i]))
-        choice = int(rank(views)[0].replica)
+        choice = int(rank(views, store_blocks=self._store_blocks(chain))[0].replica)
         self._routed[choice] += 1
         return choice
 
@@ -232,8 +250,12 @@ class LocalReplicas:
         self.routed[index] += 1
         engine = self.engines[index]
         final = None
-        async for out in engine.generate(prompt, params, request_id):
-            final = out
+        self._in_flight[index] += 1
+        try:
+            async for out in engine.generate(prompt, params, request_id):
+                final = out
+        finally:
+            self._in_flight[index] -= 1
         assert final is not None
         return list(final.outputs[0].token_ids), int(final.num_cached_tokens), float(final.metrics.ttft or 0.0)
 
@@ -331,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="64MiB", help="per replica")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--kv-cache-remote", default=None, help="store for kv-aware+store (default: start one here)")
+    p.add_argument(
+        "--router-store-aware",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kv-aware+store: a prefix the shared store holds favours no replica (--no-router-store-aware: "
+        "the device-only rule)",
+    )
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL", help="http backend: an endpoint")
     p.add_argument("--url-kv-aware", default=None, help="http backend: same as --url kv-aware=URL")
     p.add_argument("--url-baseline", default=None, help="http backend: same as --url baseline=URL")
@@ -378,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                     extra["kv_cache_remote"] = args.kv_cache_remote
                 router = {"single": "kv-aware", "kv-aware+store": "kv-aware"}.get(name, name)
                 num = 1 if name == "single" else args.replicas
-                replicas = LocalReplicas(EngineConfig(**base, **extra), num, router, args.seed)
+                config = EngineConfig(**base, **extra)
+                replicas = LocalReplicas(config, num, router, args.seed, store_aware=args.router_store_aware)
                 system, users = workload(args, vocab=replicas.engines[0].engine.model_spec.vocab_size)
                 try:
                     results.append(asyncio.run(run_setting(name, replicas.run, system, users)))
@@ -391,12 +421,14 @@ def main(argv: list[str] | None = None) -> int:
             store.wait(10)
     print(
         f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} tokens, "
-        f"{args.replicas} replicas ({args.backend})"
+        f"{args.replicas} replicas ({args.backend}), kv-aware+store router "
+        f"{'store-aware' if args.router_store_aware else 'device-only'}"
     )
     for result in results:
         print("\n".join(result.rows()))
     if args.json_out:
-        report = {"replicas": args.replicas, "results": {r.name: r.as_dict() for r in results}}
+        report = {"replicas": args.replicas, "router_store_aware": args.router_store_aware}
+        report["results"] = {r.name: r.as_dict() for r in results}
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
 
