@@ -165,8 +165,12 @@ def test_a_replica_reports_a_bounded_set_of_the_stores_hashes(
         assert newest is not None and len(newest) == 3 and set(newest) <= set(written)
         keys = store_server.client().keys("kvpager:*")
         assert len(keys) >= len(expected)  # the claims are the store's real content
-        views = [ReplicaView("backed", len(expected), 3), ReplicaView("plain", 0, 1)]
-        assert order(views, store_blocks=matched_in_any(expected, [set(written)])) == ["plain", "backed"]
+        # the reports feed the router: the plain replica, with the shorter queue, restores the prefix
+        reports = [replica("backed", {**stats, "queue_len": 3}), replica("plain", {**without, "queue_len": 1})]
+        router = fake_router()
+        assert choose(router, reports, expected) == ["plain", "backed"]
+        assert router.decisions[-1]["store_blocks"] == len(expected)
+        assert choose(fake_router(store_aware=False), reports, expected) == ["backed", "plain"]
     finally:
         plain.engine.shutdown()
         backed.engine.shutdown()
