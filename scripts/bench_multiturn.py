@@ -23,9 +23,10 @@ Settings (`--settings`, comma-separated; all by default):
   picked at random (Ray Serve's default router);
 - `kv-aware+store`: `kv-aware` with a shared Redis/Valkey store (`--kv-cache-remote URL`, or a
   `redis-server`/`valkey-server` started here on a free port; a given URL should hold no blocks of
-  this model from an earlier run, or they count as hits). The router is store-aware: a prefix the
-  store holds (as the replicas report it, `deployment.store_blocks_of`) favours no replica, so the
-  queue length decides; `--no-router-store-aware` runs the device-only rule for comparison.
+  this model from an earlier run, or they count as hits). The router is `kv-aware`'s (the device
+  match); `--router-store-aware` runs the store-aware rule instead (`--replica-router
+  kv-aware-store`: a prefix the store holds, as the replicas report it in
+  `deployment.store_blocks_of`, favours no replica, so the queue length decides).
 
 The local backend's queue length of a replica is the requests sent there and not yet finished (as
 Ray Serve's router counts them), for every router.
@@ -40,7 +41,7 @@ Backends:
     python scripts/bench_multiturn.py --conversations 32 --turns 6
     python scripts/bench_multiturn.py --conversations 32 --turns 6 --max-tokens 8:56 --think-ms 0:400
     python scripts/bench_multiturn.py --conversations 32 --turns 6 --settings kv-aware+store \
-        --no-router-store-aware    # the same workload with the device-only rule
+        --router-store-aware    # the same workload with the store-aware rule
     python scripts/bench_multiturn.py --conversations 2 --turns 2 --system-tokens 32 --user-tokens 8 \
         --max-tokens 2 --kv-cache-memory 4MiB    # smoke run on the bundled demo model
 """
@@ -356,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--router-store-aware",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="kv-aware+store: a prefix the shared store holds favours no replica (--no-router-store-aware: "
-        "the device-only rule)",
+        default=False,
+        help="kv-aware+store: rank with the store-aware rule (a prefix the shared store holds favours no "
+        "replica; default: the device-only rule, as `--replica-router kv-aware`)",
     )
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL", help="http backend: an endpoint")
     p.add_argument("--url-kv-aware", default=None, help="http backend: same as --url kv-aware=URL")

@@ -28,7 +28,7 @@ def test_bench_multiturn_reports_every_setting_per_turn(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["router_store_aware"] is True  # kv-aware+store runs the store-aware rule by default
+    assert report["router_store_aware"] is False  # kv-aware+store runs the device-only rule by default
     results = report["results"]
     assert tuple(results) == SETTINGS
     prompt_tokens = {r["prompt_tokens"] for r in results.values()}
@@ -41,7 +41,7 @@ def test_bench_multiturn_reports_every_setting_per_turn(tmp_path: Path) -> None:
         assert sum(result["routed"]) == 4 and len(result["routed"]) == (1 if name == "single" else 2), name
     for name in ("single", "kv-aware", "kv-aware+store"):  # turn 2 finds its history where it was computed
         assert results[name]["turns"][1]["hit_rate"] > 0.5, name
-    assert "turn 2" in proc.stdout and "kv-aware+store" in proc.stdout and "router store-aware" in proc.stdout
+    assert "turn 2" in proc.stdout and "kv-aware+store" in proc.stdout and "router device-only" in proc.stdout
 
 
 @pytest.mark.parametrize("flag, value", [("--think-ms", "5:1"), ("--max-tokens", "0"), ("--max-tokens", "a:b")])

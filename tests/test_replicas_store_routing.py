@@ -89,7 +89,7 @@ def fake_router(**state: Any) -> Any:
 
     router = object.__new__(KVAwareRequestRouter)
     router._replica_queue_len_cache = ReplicaQueueLengthCache()
-    router.initialize_state(**state)
+    router.initialize_state(**({"store_aware": True} | state))  # the rule under test, unless told otherwise
     return router
 
 

@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replica-router",
         default="kv-aware",
-        choices=["kv-aware", "kv-aware-device", "power-of-two"],
-        help="with --replicas: kv-aware (prefix-cache state beyond what the shared store holds + queue "
-        "length), kv-aware-device (device prefix-cache state only, ignoring the store) or Ray Serve's default",
+        choices=["kv-aware", "kv-aware-store", "power-of-two"],
+        help="with --replicas: kv-aware (device prefix-cache state + queue length), kv-aware-store (the "
+        "device match beyond what the shared store holds, then queue length) or Ray Serve's default",
     )
     p.add_argument(
         "--tool-call-parser",

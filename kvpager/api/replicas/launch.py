@@ -8,9 +8,9 @@ application is what `serve run` would deploy: `build_application(...)` returns t
 application: the N replicas become decode replicas that fetch each prompt's KV from it through a Ray
 Serve handle (`prefill_pool.py`), KV-aware routed like the ingress's requests.
 
-Routers (`--replica-router`): `kv-aware` (device prefix match beyond what the shared store holds,
-then queue length; `policy.py`), `kv-aware-device` (the device match alone, as if there were no
-store: for comparison) and `power-of-two` (Ray Serve's default).
+Routers (`--replica-router`): `kv-aware` (the device prefix match, balanced against queue length;
+`policy.py`), `kv-aware-store` (the device match beyond what the shared store holds, then queue
+length: opt-in, see docs/scale-out.md for when it loses) and `power-of-two` (Ray Serve's default).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvpager.core.config import EngineConfig
 RAY_MISSING = "--replicas needs Ray Serve, which is not installed: pip install 'kvpager[ray]'"
 ROUTING_STATS_PERIOD_S = 0.5
 ENGINE_DEPLOYMENT = "KVPagerEngine"
-ROUTERS = ("kv-aware", "kv-aware-device", "power-of-two")
+ROUTERS = ("kv-aware", "kv-aware-store", "power-of-two")
 INGRESS_DEPLOYMENT = "KVPagerIngress"
 
 
@@ -78,7 +78,7 @@ def build_application(
 
     router_config: dict[str, Any] = {
         "request_router_class": KVAwareRequestRouter,
-        "request_router_kwargs": {"max_imbalance": max_imbalance, "store_aware": router == "kv-aware"},
+        "request_router_kwargs": {"max_imbalance": max_imbalance, "store_aware": router == "kv-aware-store"},
         "request_routing_stats_period_s": routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * routing_stats_period_s),
     }

@@ -47,7 +47,7 @@ class _Report:
 class KVAwareRequestRouter(RequestRouter):
     """Prefers the replica holding the longest prefix of the prompt, balanced against queue length."""
 
-    def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, store_aware: bool = True, **_: Any) -> None:
+    def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, store_aware: bool = False, **_: Any) -> None:
         self.max_imbalance = max_imbalance
         self.store_aware = store_aware
         self._reports: dict[str, _Report] = {}
