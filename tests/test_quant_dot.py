@@ -106,6 +106,18 @@ def test_portable_and_avx2_integer_dot_paths_agree_bit_for_bit(fmt: str) -> None
             assert torch.equal(avx2, weight.dot_kernel(x)), (n, k, rows)
 
 
+@pytest.mark.parametrize("fmt", ["w8a8_g32", "w4a8_g32", "w8a8_channel", "w4a8_g128"])
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(fmt: str) -> None:
+    # group 32 runs its own tile loop (one scale per block); int4 takes it for row pairs only
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    weight = FORMATS[fmt](torch.randn(37, 200, generator=gen) * 0.05)
+    x = torch.randn(DOT_KERNEL_MAX_ROWS, 200, generator=gen)
+    alone = torch.cat([weight.dot_kernel(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in range(2, DOT_KERNEL_MAX_ROWS + 1):
+        assert torch.equal(weight.dot_kernel(x[:rows]), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("fmt", ["w8a8_g32", "w4a8_g32"])
 def test_every_batch_size_and_the_torch_fallback_compute_the_same_quantized_product(
     fmt: str, monkeypatch: pytest.MonkeyPatch

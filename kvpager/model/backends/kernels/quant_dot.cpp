@@ -5,7 +5,8 @@
 // Per call: every input row of x is quantized per block of 32 (symmetric, d = max|x| / 127,
 // q = round-half-even(x / d)); each weight block times each activation block is an exact integer
 // dot (on AVX2: _mm256_maddubs_epi16 + _mm256_madd_epi16), scaled by d and accumulated in float32,
-// then scaled once per group by the weight's scale. int4's asymmetric groups (w = code * s + o) add
+// then scaled once per group by the weight's scale (group 32, one scale per block: tile_per_block,
+// the same operations without the group loop). int4's asymmetric groups (w = code * s + o) add
 // o * (the group's sum of the quantized activations, sum_b d_b * sum q), so y = dequant(w) . x_hat
 // where x_hat = d * q is the quantized activation: the result equals a float32 matmul of the
 // dequantized weight with x_hat, up to float32 rounding of the accumulation.
