@@ -209,3 +209,14 @@ def test_dummy_shapes_include_the_real_model_shapes(tmp_path: Path) -> None:
         assert spec.torch_dtype == "bfloat16"
         assert spec.num_parameters() == count_parameters(load_model_facts(name)).total, shape
     assert {"llama-3.2-3b", "qwen2.5-0.5b", "qwen2.5-1.5b"} <= set(SHAPES)
+
+
+@pytest.mark.slow
+def test_throughput_bench_runs_tensor_parallel(capsys, tiny_model):
+    r = run_bench(
+        capsys, tiny_model, "throughput", "--num-requests", "2", "--input-len", "16", "--output-len", "3",
+        "--sequential-requests", "1", "--tensor-parallel-size", "2",
+    )  # fmt: skip
+    w = r["workload"]
+    assert (w["tensor_parallel_size"], w["kernel_ops"]) == (2, "torch")  # TP runs torch's ops
+    assert r["batched"]["output_tokens"] == 2 * 3 and r["sequential"]["output_tokens"] == 3

@@ -126,6 +126,7 @@ def test_config_travels_to_the_workers_as_json() -> None:
             {"nnodes": 2, "node_rank": 2, "distributed_master_addr": "h", "distributed_master_port": 1},
             "node_rank must be in 0..1",
         ),
+        ({"kernel_backend": "cpu"}, "--kernel-backend cpu cannot be combined"),
         ({"distributed_master_port": 70000}, "distributed_master_port must be in 1..65535"),
     ],
 )

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpager.bench import report
-from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
+from kvpager.core.config import DTYPE_BYTES, KERNEL_BACKENDS, EngineConfig, resolve_dtype
 from kvpager.core.kv_cache_manager import cdiv
 from kvpager.core.sampling_params import SamplingParams
 from kvpager.core.scheduler import Scheduler
@@ -53,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks, as `kvpager serve`'s (worker processes on this machine)",
+    )
+    p.add_argument(
+        "--kernel-backend", default="auto", choices=KERNEL_BACKENDS, help="as `kvpager serve`'s (default auto)"
+    )
     p.add_argument(
         "--kv-cache-memory",
         type=bytes_arg,
@@ -171,8 +180,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
         gguf_int8_activations=args.gguf_int8_activations,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kernel_backend=args.kernel_backend,
     )
     engine = Engine(config)
+    try:
+        return _measure(engine, args, argv, choice)
+    finally:
+        engine.shutdown()  # NOTE: stops the tensor-parallel workers
+
+
+def _measure(engine: Any, args: argparse.Namespace, argv: Sequence[str], choice: Any) -> dict[str, Any]:
     vocab = engine.model_spec.vocab_size
     prompts = make_prompts(args.num_requests + args.sequential_requests, args.input_len, vocab, args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
@@ -214,6 +232,8 @@ def build_result(
             "dtype": engine.config.dtype,
             "quantization": engine.config.quantization,
             "quantization_group_size": engine.config.resolved_quantization_group_size,
+            "tensor_parallel_size": engine.config.tensor_parallel_size,
+            "kernel_ops": engine.runner.model.ops.name,
             "weight_bytes": engine.loaded.weight_bytes,
             "gguf_tensor_types": gguf_tensor_types(choice.model_dir),
         },

@@ -179,8 +179,12 @@ class EngineConfig:
         if n == 1:
             return
         # NOTE: every KV tier and KV packs work under tensor parallelism (each rank keeps its shards:
-        # kvpager/kvstore/sharded.py), and the CPU kernels run per op on every rank (the one-call decode
-        # stack is skipped: it has no all-reduce between layers).
+        # kvpager/kvstore/sharded.py); only the fused CPU kernels do not.
+        _check(
+            self.kernel_backend != "cpu",
+            "--kernel-backend cpu cannot be combined with --tensor-parallel-size > 1 (the fused kernels do not "
+            "all-reduce between layers); use auto or torch",
+        )
         _check(
             not self.gguf_int8_activations,
             "--gguf-int8-activations cannot be combined with --tensor-parallel-size > 1 (each rank slices "

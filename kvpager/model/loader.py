@@ -191,6 +191,8 @@ def load_model(
     # NOTE: the model holds the tensors now; dropping the dict lets finish_loading's ops free each
     # weight as they replace it (kernel layouts), instead of holding two copies of every weight.
     del state, packed
+    if parallel is not None:
+        kernel_backend = "torch"  # NOTE: config validation refuses "cpu" with tensor parallelism
     model.finish_loading(dtype, device, select_ops(kernel_backend, dtype, kv_dtype or dtype, device))
     if dtype in HALF_WEIGHTS and device.type == "cpu" and quant_kernels_or_none() is not None:
         _wrap_half_linears(model)

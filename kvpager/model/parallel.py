@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from kvpager.core.tensor_parallel import TensorParallelLayout, tensor_parallel_layout
-from kvpager.model.backends.weight_layout import embedding_rows
 from kvpager.model.spec import ModelSpec
 
 
@@ -75,8 +74,7 @@ class TensorParallel:
         start, end = self.layout.vocab_range(self.rank)
         mine = (input_ids >= start) & (input_ids < end)
         local = torch.where(mine, input_ids - start, torch.zeros_like(input_ids))
-        rows = embedding_rows(weight, local)  # NOTE: the CPU kernels may store a tied table in column blocks
-        x = rows * mine.unsqueeze(1).to(rows.dtype)  # [T, hidden]
+        x = weight.index_select(0, local) * mine.unsqueeze(1).to(weight.dtype)  # [T, hidden]
         return self.all_reduce(x)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
