@@ -174,3 +174,10 @@ def test_a_replica_reports_a_bounded_set_of_the_stores_hashes(
     finally:
         plain.engine.shutdown()
         backed.engine.shutdown()
+
+
+def test_the_default_kv_aware_router_is_the_device_only_rule() -> None:
+    from kvpager.api.replicas.launch import request_router_kwargs
+
+    assert request_router_kwargs("kv-aware", 4) == {"max_imbalance": 4, "store_aware": False}
+    assert request_router_kwargs("kv-aware-store", 2) == {"max_imbalance": 2, "store_aware": True}

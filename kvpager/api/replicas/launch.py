@@ -37,6 +37,11 @@ def require_ray() -> None:
         raise ValueError(RAY_MISSING) from error
 
 
+def request_router_kwargs(router: str, max_imbalance: int) -> dict[str, Any]:
+    """`KVAwareRequestRouter.initialize_state`'s arguments for `--replica-router` `router` (the kv-aware ones)."""
+    return {"max_imbalance": max_imbalance, "store_aware": router == "kv-aware-store"}
+
+
 def build_application(
     config: EngineConfig,
     settings: ServerSettings,
@@ -78,7 +83,7 @@ def build_application(
 
     router_config: dict[str, Any] = {
         "request_router_class": KVAwareRequestRouter,
-        "request_router_kwargs": {"max_imbalance": max_imbalance, "store_aware": router == "kv-aware-store"},
+        "request_router_kwargs": request_router_kwargs(router, max_imbalance),
         "request_routing_stats_period_s": routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * routing_stats_period_s),
     }
