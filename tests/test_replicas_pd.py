@@ -1,7 +1,8 @@
-"""Prefill/decode split with Ray Serve replicas: two decode replicas (demo model, local Ray with 2
-CPUs) behind one endpoint, a prefill server, and a real Redis/Valkey store shared by all three.
+"""Prefill/decode split with Ray Serve replicas: a decode replica deployment (demo model, local Ray
+with 2 CPUs) behind one endpoint, a prefill server, and a real Redis/Valkey store shared by both.
+One decode replica keeps the suite short; the routing between several is tests/test_replicas_ray.py's.
 
-A prompt the prefill server has computed is in the store: whichever decode replica gets it loads its
+A prompt the prefill server has computed is in the store: the decode replica that gets it loads its
 blocks from there (no HTTP fetch). A prompt in no store is fetched from the prefill server over HTTP.
 Greedy text equals a single engine's either way."""
 
@@ -55,7 +56,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             kv_transfer_key=KEY,
         )
         config = EngineConfig(**ENGINE, kv_cache_remote=store.url)
-        app = build_application(config, settings, 2, cpus_per_replica=1, routing_stats_period_s=0.2)
+        app = build_application(config, settings, 1, cpus_per_replica=1, routing_stats_period_s=0.2)
         serve.run(app, name="kvpager", route_prefix="/")
         try:
             yield {"url": f"http://127.0.0.1:{port}", "prefill": prefill, "store": store}
