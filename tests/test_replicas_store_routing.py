@@ -142,7 +142,9 @@ def test_a_replica_reports_a_bounded_set_of_the_stores_hashes(
 ) -> None:
     settings = ServerSettings(served_model_names=["tiny"])
     plain = EngineReplica(tiny_llama_config(llama_checkpoint, 32), settings)
-    backed = EngineReplica(tiny_llama_config(llama_checkpoint, 32, kv_cache_remote=store_server.url), settings)
+    backed = EngineReplica(
+        tiny_llama_config(llama_checkpoint, 32, kv_cache_remote=store_server.url), settings, report_store_blocks=True
+    )
     prompt = list(range(3, 40))  # 9 full blocks
     expected = hex_chain(hash_prompt_blocks(backed.fingerprint, prompt, TINY_BLOCK))
 

@@ -4,7 +4,7 @@
 route, error, stream and abort behaves as on a single server. It reports its prefix-cache state (KV
 events) and queue length to the router through `record_routing_stats`.
 
-With a shared KV store (`--kv-cache-remote`) a replica also reports `kv_store_blocks`: the hashes it
+With a shared KV store (`--kv-cache-remote`) and the store-aware router a replica also reports `kv_store_blocks`: the hashes it
 knows the store holds or is writing there (`store_blocks_of`), so that the router does not favour a
 replica for a prefix every replica can restore from the store.
 
@@ -55,12 +55,15 @@ class EngineReplica:
         settings: ServerSettings,
         max_waiting: int | None = None,
         prefill_handle: Any = None,
+        report_store_blocks: bool = False,
     ) -> None:
         from kvpager.api.replicas.prefill_pool import ServeHandleTransport
         from kvpager.engine.async_engine import AsyncEngine
         from kvpager.engine.engine import Engine
 
         engine = Engine(config)
+        # NOTE: only the store-aware router reads the store's hashes; the others skip building them
+        self.report_store_blocks = report_store_blocks
         self.kv_log = KVEventLog(max_pending=0)  # NOTE: only the held set is read (a full snapshot per report)
         engine.kv_manager.block_pool.add_listener(self.kv_log)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
@@ -104,7 +107,7 @@ class EngineReplica:
         log = self.kv_log
 
         def snapshot(engine: Any) -> tuple[list[str], list[str] | None]:
-            return [h[:8].hex() for h in log.held], store_blocks_of(engine)
+            return [h[:8].hex() for h in log.held], store_blocks_of(engine) if self.report_store_blocks else None
 
         held, stored = await asyncio.wait_for(self.engine.run_in_engine(snapshot), SNAPSHOT_TIMEOUT_S)
         stats = self.engine.stats()

@@ -81,6 +81,7 @@ def build_application(
     from kvpager.api.replicas.router import KVAwareRequestRouter
     from kvpager.engine.paths import resolve_model_dir
 
+    store_aware = request_router_kwargs(router, max_imbalance)["store_aware"]  # the replicas report the store then
     router_config: dict[str, Any] = {
         "request_router_class": KVAwareRequestRouter,
         "request_router_kwargs": request_router_kwargs(router, max_imbalance),
@@ -108,13 +109,18 @@ def build_application(
     engine = engine_deployment(ENGINE_DEPLOYMENT, num_replicas)
     if pools is None:
         return ingress.bind(
-            engine.bind(config, settings, max_waiting), num_replicas, tokenizer_dir, settings.chat_template
+            engine.bind(config, settings, max_waiting, report_store_blocks=store_aware),
+            num_replicas,
+            tokenizer_dir,
+            settings.chat_template,
         )
     from kvpager.api.replicas.prefill_pool import PREFILL_DEPLOYMENT
 
     prefill_settings, decode_settings = pools
-    prefill = engine_deployment(PREFILL_DEPLOYMENT, prefill_replicas).bind(config, prefill_settings, max_waiting)
-    decode = engine.bind(config, decode_settings, max_waiting, prefill)
+    prefill = engine_deployment(PREFILL_DEPLOYMENT, prefill_replicas).bind(
+        config, prefill_settings, max_waiting, report_store_blocks=store_aware
+    )
+    decode = engine.bind(config, decode_settings, max_waiting, prefill, report_store_blocks=store_aware)
     return ingress.bind(decode, num_replicas, tokenizer_dir, settings.chat_template, prefill, prefill_replicas)
 
 
