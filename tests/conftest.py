@@ -1,5 +1,6 @@
 """Shared fixtures: one torch thread, session-scoped tiny random checkpoints (see checkpoints.py), a real
-Redis/Valkey server (redis_server.py) and an engine over a held host tier (held_tiers.py)."""
+Redis/Valkey server (redis_server.py), an engine over a held host tier (held_tiers.py) and one local
+Ray Serve cluster for the Ray Serve modules (ray_cluster.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,31 @@ import pytest
 import torch
 from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
 from held_tiers import engine_with_a_held_host_tier
+from ray_cluster import RayCluster
 from redis_server import StoreServer
 
 from kvpager.engine.engine import Engine
 
 torch.set_num_threads(1)
+RAY_CLUSTER = pytest.StashKey[RayCluster]()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(request: pytest.FixtureRequest) -> RayCluster:
+    """The shared local Ray + Serve cluster; `start()` gives the endpoint, starting it if needed."""
+    cluster = RayCluster()
+    request.config.stash[RAY_CLUSTER] = cluster
+    request.addfinalizer(cluster.stop)
+    return cluster
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the item's fixtures are torn down: stop Ray when the next test does not use it."""
+    yield
+    cluster = item.config.stash.get(RAY_CLUSTER, None)
+    if cluster is not None and (nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ())):
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

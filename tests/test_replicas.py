@@ -1,6 +1,6 @@
 """Replicas without Ray: the routing rule, the prompt hashing of the ingress (equal to the engine's),
 an engine replica's in-process HTTP path (streams stream, leaving early aborts), and the merged
-/metrics page. The Ray Serve deployment itself is tested in test_replicas_ray.py."""
+/metrics page. The Ray Serve deployment itself is tested in test_replicas_kv_routing.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Prefill/decode split with Ray Serve replicas: a decode replica deployment (demo model, local Ray
 with 2 CPUs) behind one endpoint, a prefill server, and a real Redis/Valkey store shared by both.
-One decode replica keeps the suite short; the routing between several is tests/test_replicas_ray.py's.
+One decode replica keeps the suite short; the routing between several is tests/test_replicas_kv_routing.py's.
 
 A prompt the prefill server has computed is in the store: the decode replica that gets it loads its
 blocks from there (no HTTP fetch). A prompt in no store is fetched from the prefill server over HTTP.
@@ -8,7 +8,6 @@ Greedy text equals a single engine's either way."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import time
@@ -16,9 +15,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from redis_server import StoreServer, free_port
+from ray_cluster import BLOCK, ENGINE, NUM_NEW, RayCluster, complete, delete_app, greedy_text
+from redis_server import StoreServer
 from server_harness import launch_server, metric
-from test_replicas_ray import BLOCK, ENGINE, NUM_NEW, RAY_ENV, complete, greedy_text, start_ray
 
 from kvpager.api.llm import LLM
 from kvpager.api.server.app import ServerSettings
@@ -31,24 +30,20 @@ KEY = "pd-replicas-key"
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def deployment(tmp_path_factory: pytest.TempPathFactory, ray_cluster: RayCluster) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("replicas_pd")
     store = StoreServer(logs)
     engine_args = ["--block-size", str(BLOCK), "--kv-cache-memory", "64MiB", "--kv-transfer-key", KEY]
     prefill = launch_server(
         resolve_model_dir(None), logs, *engine_args, "--kv-cache-remote", store.url, "--role", "prefill"
     )
-    saved = {key: os.environ.get(key) for key in RAY_ENV}
-    os.environ.update(RAY_ENV)
     try:
         prefill.wait_healthy(timeout=300)
-        ray = start_ray()
+        url = ray_cluster.start()
         from ray import serve
 
         from kvpager.api.replicas.launch import build_application
 
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServerSettings(
             served_model_names=["demo"],
             role="decode",
@@ -59,18 +54,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         app = build_application(config, settings, 1, cpus_per_replica=1, routing_stats_period_s=0.2)
         serve.run(app, name="kvpager", route_prefix="/")
         try:
-            yield {"url": f"http://127.0.0.1:{port}", "prefill": prefill, "store": store}
+            yield {"url": url, "prefill": prefill, "store": store}
         finally:
-            serve.shutdown()
-            ray.shutdown()
+            delete_app()
     finally:
         prefill.stop()
         store.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def replica_sum(url: str, name: str) -> float:

@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from redis_server import free_port
-from test_replicas_ray import BLOCK, ENGINE, RAY_ENV, complete, greedy_text, start_ray
+from ray_cluster import BLOCK, ENGINE, RayCluster, complete, greedy_text
 
 from kvpager.api.llm import LLM
 from kvpager.api.server.app import ServerSettings
@@ -32,17 +31,13 @@ KEY = "pd-pool-key"
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[tuple[str, Any]]:
-    saved = {key: os.environ.get(key) for key in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    ray = start_ray()
+def endpoint(ray_cluster: RayCluster) -> Iterator[tuple[str, Any]]:
+    url = ray_cluster.start()
     from ray import serve
 
     from kvpager.api.replicas.launch import build_application
 
-    port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServerSettings(served_model_names=["demo"], kv_transfer_key=KEY)
         app = build_application(
             EngineConfig(**ENGINE),
@@ -54,17 +49,10 @@ def endpoint() -> Iterator[tuple[str, Any]]:
             prefill_timeout_s=8,  # NOTE: a dead pool is waited for this long before the local prefill
         )
         serve.run(app, name="kvpager", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", ray
+        yield url, ray_cluster.ray
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        # NOTE: the last test kills Serve's controller, so the cluster cannot host another application
+        ray_cluster.stop()
 
 
 @pytest.fixture(scope="module")

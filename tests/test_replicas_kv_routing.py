@@ -6,91 +6,43 @@ and streaming, abort on disconnect and the merged /metrics work through the ingr
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-from redis_server import free_port
+from ray_cluster import BLOCK, ENGINE, RayCluster, complete, delete_app, greedy_text
 
 from kvpager.api.llm import LLM
 from kvpager.api.server.app import ServerSettings
 from kvpager.core.config import EngineConfig
-from kvpager.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
-BLOCK = 16
-NUM_NEW = 4
-ENGINE = {"device": "cpu", "num_threads": 1, "block_size": BLOCK, "kv_cache_memory": 64 << 20, "max_num_seqs": 8}
 CONFIG = EngineConfig(**ENGINE)
 
 
-# NOTE: Ray Serve's default proxy ready/health deadlines (5 s / 10 s) are missed on a loaded 2-core
-# machine; the local Ray processes inherit these from the environment of the test process.
-RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
-
-
-def start_ray() -> Any:
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvpager[ray]')")
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    except Exception as error:  # noqa: BLE001
-        if "timed out during startup" in str(error):
-            # NOTE: the raylet gives its Python agents a fixed ~30 s to write their port files; on an
-            # overloaded machine they start later and Ray refuses to start. Not a kvpager failure.
-            pytest.skip(f"Ray could not start on this machine (agent start-up deadline): {error}")
-        raise
-    return ray
-
-
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    saved = {key: os.environ.get(key) for key in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    ray = start_ray()
+def endpoint(ray_cluster: RayCluster) -> Iterator[str]:
+    url = ray_cluster.start()
     from ray import serve
 
     from kvpager.api.replicas.launch import build_application
 
-    port = free_port()
+    app = build_application(
+        CONFIG, ServerSettings(served_model_names=["demo"]), 2, cpus_per_replica=1, routing_stats_period_s=0.2
+    )
+    serve.run(app, name="kvpager", route_prefix="/")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_application(
-            CONFIG, ServerSettings(served_model_names=["demo"]), 2, cpus_per_replica=1, routing_stats_period_s=0.2
-        )
-        serve.run(app, name="kvpager", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        delete_app()
 
 
 @pytest.fixture(scope="module")
 def single() -> LLM:
     return LLM(None, **ENGINE)
-
-
-def complete(url: str, prompt: list[int]) -> tuple[str, str, int]:
-    body = {"model": "demo", "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True}
-    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    data = resp.json()
-    text = data["choices"][0]["text"]
-    return text, resp.headers["x-kvpager-replica"], int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def greedy_text(llm: LLM, prompt: list[int]) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
 
 
 def test_conversation_turns_follow_their_prefix_and_conversations_spread(endpoint: str, single: LLM) -> None:
