@@ -54,13 +54,6 @@ struct Act {
   const float* xs;  // int4: [M, num_groups] the groups' sums of the quantized activations
 };
 
-// sum_g o[g] * xs[g], one group after another (the same order in every build).
-inline float offset_term(const float* o, const float* xs, int64_t groups) {
-  float t = 0.0f;
-  for (int64_t g = 0; g < groups; ++g) t = t + o[g] * xs[g];
-  return t;
-}
-
 namespace portable {
 using S = kvqd_simd::Portable;
 #include "quant_dot_body.inc"

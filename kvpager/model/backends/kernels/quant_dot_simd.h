@@ -88,6 +88,17 @@ struct Portable {
     return r;
   }
   static V dot_i8(const W& w, X x) { return dot(w, x); }
+  // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
+  // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
+  static float offset_dot(const float* o, const float* xs, int64_t groups) {
+    V acc{};
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+      for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(o[g + l], xs[g + l], acc.v[l]);
+    float t = hsum(acc);
+    for (; g < groups; ++g) t = std::fma(o[g], xs[g], t);
+    return t;
+  }
   static V4 dot_i4(const W4& w, X4 x) {
     V4 r;
     for (int l = 0; l < 4; ++l) {
@@ -156,6 +167,14 @@ struct Avx2 {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+  }
+  static float offset_dot(const float* o, const float* xs, int64_t groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xs + g), acc);
+    float t = hsum(acc);
+    for (; g < groups; ++g) t = std::fma(o[g], xs[g], t);
+    return t;
   }
   static V pairs(__m256i p16) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))); }
   static V dot_i8(const W& w, X x) {
