@@ -39,6 +39,7 @@ SHAPES = [(37, 96), (64, 256), (130, 160), (9, 200)]
 FORMATS = {
     "w8a8_channel": lambda w: Int8DotWeight.from_float(w),
     "w8a8_g32": lambda w: Int8DotWeight.from_float(w, 32),
+    "w8a8_g16": lambda w: Int8DotWeight.from_float(w, 16),  # two scales per block (GGUF Q6_K)
     "w8a8_g64": lambda w: Int8DotWeight.from_float(w, 64),
     "w4a8_g32": lambda w: Int4DotWeight.from_float(w, 32),
     "w4a8_g64": lambda w: Int4DotWeight.from_float(w, 64),
@@ -106,9 +107,9 @@ def test_portable_and_avx2_integer_dot_paths_agree_bit_for_bit(fmt: str) -> None
             assert torch.equal(avx2, weight.dot_kernel(x)), (n, k, rows)
 
 
-@pytest.mark.parametrize("fmt", ["w8a8_g32", "w4a8_g32", "w8a8_channel", "w4a8_g128"])
+@pytest.mark.parametrize("fmt", ["w8a8_g32", "w8a8_g16", "w4a8_g32", "w8a8_channel", "w4a8_g128"])
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch(fmt: str) -> None:
-    # group 32 runs its own tile loop (one scale per block); int4 takes it for row pairs only
+    # groups 32 and 16 run the per-block loop, other groups the group loop; rows alone and in pairs
     _kernels_or_skip()
     gen = torch.Generator().manual_seed(11)
     weight = FORMATS[fmt](torch.randn(37, 200, generator=gen) * 0.05)
@@ -193,6 +194,11 @@ def test_the_kernel_refuses_a_group_it_cannot_run_and_writes_nothing() -> None:
     x, out = torch.randn(1, 96), torch.full((1, 8), 7.0)
     qw, scales, _ = w._pointers()
     rc = kernels.dot_linear(w.fmt, x.data_ptr(), 1, 96, qw, scales, None, 8, 48, None, out.data_ptr(), 1, 1)
+    assert rc == -1 and (out == 7.0).all()
+    # group 16 is int8's only (two scales per block); an int4 weight at group 16 is refused
+    w4 = Int4Weight.from_float(torch.randn(8, 96), 16)
+    qw, scales, offsets = w4._pointers()
+    rc = kernels.dot_linear(w4.fmt, x.data_ptr(), 1, 96, qw, scales, offsets, 8, 16, None, out.data_ptr(), 1, 1)
     assert rc == -1 and (out == 7.0).all()
 
 

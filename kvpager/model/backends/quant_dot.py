@@ -12,7 +12,8 @@ is offset * (the group's sum of the quantized activations). So a layer computes
 that is the torch reference (`reference_matmul`), and what larger batches, CUDA and a machine without
 a compiler run (the quantized activations through the exact packed-weight path of quant_weights.py).
 Group sizes must be multiples of 32 (a block never straddles two groups); int8 may also be per output
-channel (one group of any width).
+channel (one group of any width) or group 16 (two scales per block, one per half of 16: GGUF Q6_K; the
+user-facing --quantization-group-size keeps multiples of 32).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def reference_matmul(weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor |
 def check_dynamic_group(method: str, group: int, in_features: int) -> None:
     """Refuse a group size the integer-dot kernels cannot run (not a multiple of the activation block)."""
     per_channel = method == "w8a8_int8" and group == in_features
-    if group % ACTIVATION_BLOCK != 0 and not per_channel:
+    # int8 at group 16: two scales per activation block, one per half (GGUF Q6_K's blocks)
+    halves = method == "w8a8_int8" and group == ACTIVATION_BLOCK // 2
+    if group % ACTIVATION_BLOCK != 0 and not per_channel and not halves:
         raise ValueError(
             f"{method}: the quantization group size must be a multiple of {ACTIVATION_BLOCK} (the activation "
             f"block), got {group}"

@@ -10,7 +10,8 @@
 // o * (the group's sum of the quantized activations, sum_b d_b * sum q), so y = dequant(w) . x_hat
 // where x_hat = d * q is the quantized activation: the result equals a float32 matmul of the
 // dequantized weight with x_hat, up to float32 rounding of the accumulation.
-// Groups must be multiples of 32 (a block never straddles two), or the whole row (int8 per channel).
+// Groups must be multiples of 32 (a block never straddles two), the whole row (int8 per channel), or
+// 16 for int8 (two scales per block, one per half: GGUF Q6_K).
 //
 // Two builds of quant_dot_body.inc, chosen per call: AVX2 + FMA and portable C++. Both scale with a
 // fused multiply-add (std::fma in the portable build: one rounding, as vfmadd), so both give the same bits.
@@ -43,6 +44,7 @@ struct DotPacked {
   int64_t blocks;        // activation blocks per row: ceil(K / 32)
   int64_t full_blocks;   // blocks whose weight bytes lie wholly inside the stored row
   int64_t group_blocks;  // blocks per group
+  bool half_blocks;      // int8, group 16: two groups per block (GGUF Q6_K's scales)
   const void* w;
   const float* scales;
   const float* offsets;
@@ -90,7 +92,8 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
                        const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                        int64_t num_threads, int64_t max_level) {
   constexpr int64_t B = kvqd_simd::kBlock;
-  if (group < 1 || (group % B != 0 && group != K) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
+  const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
+  if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
   if (M <= 0 || N <= 0) return 0;
   DotPacked p{};
   p.fmt = fmt;
@@ -101,7 +104,8 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   p.row_bytes = fmt == kFmtInt4 ? (K + 15) / 16 * 8 : K;
   p.blocks = (K + B - 1) / B;
   p.full_blocks = fmt == kFmtInt4 ? p.row_bytes / 16 : K / B;
-  p.group_blocks = group % B == 0 ? group / B : p.blocks;
+  p.group_blocks = half ? 1 : group % B == 0 ? group / B : p.blocks;
+  p.half_blocks = half;
   p.w = w;
   p.scales = scales;
   p.offsets = offsets;

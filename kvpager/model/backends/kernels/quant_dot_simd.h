@@ -68,6 +68,11 @@ struct Portable {
     for (int l = 0; l < 4; ++l) acc.v[l] = std::fma(a.v[l], s, acc.v[l]);
     return acc;
   }
+  // acc + a * (lanes 0..3: lo, lanes 4..7: hi): a block whose two halves of 16 have their own scale
+  static V madd2(V acc, V a, float lo, float hi) {
+    for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(a.v[l], l < 4 ? lo : hi, acc.v[l]);
+    return acc;
+  }
   static float hsum(V4 v) {  // _mm_movehl_ps then a shuffle: (0 + 2) + (1 + 3)
     const float a = v.v[0] + v.v[2], b = v.v[1] + v.v[3];
     return a + b;
@@ -157,6 +162,9 @@ struct Avx2 {
   }
   static V madd(V acc, V a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
   static V4 madd(V4 acc, V4 a, float s) { return _mm_fmadd_ps(a, _mm_set1_ps(s), acc); }
+  static V madd2(V acc, V a, float lo, float hi) {
+    return _mm256_fmadd_ps(a, _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)), acc);
+  }
   static float hsum(V4 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
