@@ -24,11 +24,12 @@ from kvpager.model.backends.quant_dot import (
     DOT_KERNEL_MAX_ROWS,
     Int4DotWeight,
     Int8DotWeight,
+    dot_kernel_max_rows,
     fake_quantize_activations,
     quantize_activations,
     reference_matmul,
 )
-from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_PORTABLE, load_quant_kernels
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows, quantize
 from kvpager.planner.weights import quantized_matrix_bytes
 
@@ -127,7 +128,8 @@ def test_every_batch_size_and_the_torch_fallback_compute_the_same_quantized_prod
     gen = torch.Generator().manual_seed(5)
     weight = FORMATS[fmt](torch.randn(70, 128, generator=gen) * 0.05)
     bias = torch.randn(70, generator=gen)
-    for rows in (1, DOT_KERNEL_MAX_ROWS, DOT_KERNEL_MAX_ROWS + 1, 129):  # the dot kernel, exact tile, GEMM
+    limit = weight.dot_rows(load_quant_kernels())
+    for rows in (1, limit, limit + 1, 129):  # the dot kernel, exact tile, GEMM
         x = torch.randn(2, rows, 128, generator=gen)
         out = weight.matmul(x, bias)
         assert out.shape == (2, rows, 70)
@@ -153,6 +155,17 @@ def test_the_dynamic_modes_differ_from_the_exact_ones_by_the_activation_rounding
     bound = half_step @ slow.dequantize().double().abs().t() + 1e-5
     assert (diff <= bound).all()
     assert diff.max() > 1e-5  # the activations really are rounded (an exact run would differ by ~1e-7)
+
+
+def test_the_dot_kernels_row_limit_follows_the_exact_kernels_vector_width() -> None:
+    # AVX2 exact kernels (as wide as the integer dot): decode batches stay on the integer dot; with
+    # AVX-512 exact kernels (twice as wide) or the portable build, only a few rows do
+    assert dot_kernel_max_rows("int4", LEVEL_AVX2) == 32 and dot_kernel_max_rows("int8", LEVEL_AVX2) == 16
+    assert dot_kernel_max_rows("int4", LEVEL_AVX512) == dot_kernel_max_rows("int8", LEVEL_PORTABLE) == 4
+    _kernels_or_skip()
+    weight = Int4DotWeight.from_float(torch.randn(8, 64), 32)
+    weight.max_level = LEVEL_PORTABLE  # a weight capped below AVX2 takes the portable exact path past 4 rows
+    assert weight.dot_rows(load_quant_kernels()) == DOT_KERNEL_MAX_ROWS
 
 
 def test_activations_are_quantized_symmetric_per_block_of_32_round_half_to_even() -> None:

@@ -5,8 +5,8 @@ projection (int8 per block of 32, relative step 1/127 of the block's largest val
 stay near the exact format's. The bound asserted is about twice the difference measured on the tiny
 Llama (hidden 64, 2 layers, random weights, logits of standard deviation 0.41): w8a8_int8 vs int8
 measured 1.4e-2, w4a8_int8 vs int4 (group 32) 1.5e-2 (max |difference| over the prompt's prefill and
-6 decode steps); for scale, int8 itself is 1.5e-2 from float32 and int4 2.7e-1. Prefill (more than DOT_KERNEL_MAX_ROWS
-rows: the quantized activations through the exact kernel's tile) and decode (one row: the integer-dot
+6 decode steps); for scale, int8 itself is 1.5e-2 from float32 and int4 2.7e-1. Prefill (more rows than
+quant_dot.dot_kernel_max_rows: the quantized activations through the exact kernel's tile) and decode (one row: the integer-dot
 kernel) are both covered.
 """
 

@@ -3,8 +3,8 @@ channel in every mode, tied or untied, unless --no-quantize-lm-head.
 
 - Its logits are the dequantize-then-matmul reference's to float32 rounding (int8 / int4: the hidden
   state times the dequantized weight; w8a8_int8 / w4a8_int8: the int8-rounded hidden state times it), at
-  1, 3 and 12 rows (the kernel's one-row path, its shared tile and, for the dynamic modes, both the
-  integer-dot kernel and the exact path past DOT_KERNEL_MAX_ROWS).
+  1, 3, 12 and 36 rows (the kernel's one-row path, its shared tile and, for the dynamic modes, both the
+  integer-dot kernel and the exact path past its row limit, quant_dot.dot_kernel_max_rows).
 - A quantized tied model generates the greedy tokens of a float model holding the dequantized weights
   (an untied float checkpoint: the embedding as before, the lm_head dequantized).
 - --no-quantize-lm-head is the previous behaviour: the lm_head in --dtype (tied: the embedding itself).
@@ -85,8 +85,8 @@ def test_quantized_lm_head_logits_equal_the_dequantize_then_matmul_reference(
     source = model.embed_tokens.weight if tied else load_file(checkpoint / "model.safetensors")["lm_head.weight"]
     assert model.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(weight.qweight, Int8Weight.from_float(source.float()).qweight)
-    hidden = _final_hidden(model)
-    for rows in (1, 3, len(PROMPT)):
+    hidden = torch.cat([_final_hidden(model)] * 3)  # NOTE: 36 rows pass every integer-dot row limit
+    for rows in (1, 3, len(PROMPT), hidden.shape[0]):
         x = hidden[:rows]
         with torch.inference_mode():
             got = model.compute_logits(x).double()

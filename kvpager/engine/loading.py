@@ -19,7 +19,7 @@ from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
-from kvpager.model.backends.quant_dot import DOT_KERNEL_MAX_ROWS
+from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, dot_kernel_max_rows
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Int8Weight
 from kvpager.model.dtypes import TORCH_DTYPES
@@ -218,7 +218,8 @@ def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.devic
         kernels = quant_kernels_or_none()
         path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
         if kernels is not None and config.quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
-            path = f"{kernels.describe_dot()} up to {DOT_KERNEL_MAX_ROWS} rows, then the {path}"
+            rows = dot_kernel_max_rows(DYNAMIC_METHODS[config.quantization], kernels.default_level)
+            path = f"{kernels.describe_dot()} up to {rows} rows, then the {path}"
         path += f" up to its batch limit; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
         path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
     else:

@@ -3,7 +3,7 @@
 The weights are exactly those of `int8` / `int4` (quant_weights.py: the same layout, group options and
 round-to-nearest quantization at load); what changes is the matmul. Each call quantizes every input
 row per block of ACTIVATION_BLOCK = 32 features (symmetric: d = max|x| / 127, q = round-half-even(x / d),
-clamped to +-127; an all-zero block gets d = 0). Up to DOT_KERNEL_MAX_ROWS rows the kernel
+clamped to +-127; an all-zero block gets d = 0). Up to `dot_kernel_max_rows` rows the kernel
 (kernels/quant_dot.cpp) then takes exact integer dot products of weight and activation blocks, scales
 each by d and each group by the weight's scale, and accumulates in float32. int4's groups are
 asymmetric (w = code * scale + offset, codes 0..15 unsigned: no sign handling needed); the offset term
@@ -21,15 +21,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpager.model.backends.quant_kernels import load_quant_kernels, quant_kernels_or_none
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, QuantKernels, load_quant_kernels, quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight
 
 ACTIVATION_BLOCK = 32
 # Up to this many input rows the integer-dot kernel runs. Beyond, the quantized activations go through the
-# exact kernel's shared L1 tile (dequantized once per call, float32 FMAs reused by every row): on AVX2
-# without VNNI an integer dot costs about as many multiply-port cycles per product as a float32 FMA, so
-# the integer kernel gains where dequantizing dominates (a few rows) and not for larger batches.
+# exact kernel's shared L1 tile (dequantized once per call, float32 FMAs reused by every row). Where the
+# exact kernels have AVX-512 (twice the float lanes of the AVX2 integer dot, which has no VNNI build),
+# the integer kernel gains only where dequantizing dominates: a few rows.
 DOT_KERNEL_MAX_ROWS = 4
+# Where the exact kernels run AVX2 too, the integer dot stays ahead at decode batches: on AMD Zen 1
+# (2 threads, 8192 x 2048, group 32) int4 1.55x at 16 rows and 1.26x at 32, int8 1.11x at 16 and 0.94x
+# at 32 (BENCHMARKS.md).
+DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
 
@@ -58,6 +62,12 @@ def reference_matmul(weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor |
     return out + bias.double() if bias is not None else out
 
 
+def dot_kernel_max_rows(weight_format: str, exact_level: int) -> int:
+    """The most input rows the integer-dot kernel takes for a `weight_format` ("int8" | "int4") weight
+    whose exact kernels run at `exact_level` (quant_kernels.LEVEL_*); more rows take the exact path."""
+    return DOT_KERNEL_MAX_ROWS_AVX2[weight_format] if exact_level == LEVEL_AVX2 else DOT_KERNEL_MAX_ROWS
+
+
 def check_dynamic_group(method: str, group: int, in_features: int) -> None:
     """Refuse a group size the integer-dot kernels cannot run (not a multiple of the activation block)."""
     per_channel = method == "w8a8_int8" and group == in_features
@@ -76,10 +86,14 @@ class _DynamicActivations(PackedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
         x2 = x.reshape(-1, self.in_features)
-        if kernels is None or x2.shape[0] > DOT_KERNEL_MAX_ROWS:
+        if kernels is None or x2.shape[0] > self.dot_rows(kernels):
             # the same quantized activations through the exact packed-weight path (its L1 tile / GEMM)
             return super().matmul(fake_quantize_activations(x.float()).to(x.dtype), bias)
         return self.dot_kernel(x2, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dot_rows(self, kernels: QuantKernels) -> int:
+        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows)."""
+        return dot_kernel_max_rows(DYNAMIC_METHODS[self.method], self._level(kernels))
 
     def dot_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x2 [M, in] through the integer-dot kernel at any M (its path: `max_level`) -> float32 [M, out]."""
