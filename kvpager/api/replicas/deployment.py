@@ -4,9 +4,9 @@
 route, error, stream and abort behaves as on a single server. It reports its prefix-cache state (KV
 events) and queue length to the router through `record_routing_stats`.
 
-With a shared KV store (`--kv-cache-remote`) and the store-aware router a replica also reports `kv_store_blocks`: the hashes it
-knows the store holds or is writing there (`store_blocks_of`), so that the router does not favour a
-replica for a prefix every replica can restore from the store.
+With a shared KV store (`--kv-cache-remote`) and the store-aware router a replica also reports
+`kv_store_blocks`: the hashes it knows the store holds or is writing there (`store_blocks_of`), so that
+the router does not favour a replica for a prefix every replica can restore from the store.
 
 `Ingress` takes the HTTP requests: it tokenizes the prompt as the engine will (same tokenizer and
 chat template), hashes its full blocks with the replicas' fingerprint-seeded chain, and hands the

@@ -81,10 +81,11 @@ def build_application(
     from kvpager.api.replicas.router import KVAwareRequestRouter
     from kvpager.engine.paths import resolve_model_dir
 
-    store_aware = request_router_kwargs(router, max_imbalance)["store_aware"]  # the replicas report the store then
+    router_kwargs = request_router_kwargs(router, max_imbalance)
+    store_aware = router_kwargs["store_aware"]  # NOTE: the replicas report the store's hashes only then
     router_config: dict[str, Any] = {
         "request_router_class": KVAwareRequestRouter,
-        "request_router_kwargs": request_router_kwargs(router, max_imbalance),
+        "request_router_kwargs": router_kwargs,
         "request_routing_stats_period_s": routing_stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 4 * routing_stats_period_s),
     }

@@ -30,9 +30,8 @@ ACTIVATION_BLOCK = 32
 # exact kernels have AVX-512 (twice the float lanes of the AVX2 integer dot, which has no VNNI build),
 # the integer kernel gains only where dequantizing dominates: a few rows.
 DOT_KERNEL_MAX_ROWS = 4
-# Where the exact kernels run AVX2 too, the integer dot stays ahead at decode batches: on AMD Zen 1
-# (2 threads, 8192 x 2048, group 32) int4 1.55x at 16 rows and 1.26x at 32, int8 1.11x at 16 and 0.94x
-# at 32 (BENCHMARKS.md).
+# Where the exact kernels run AVX2 too, the integer dot stays faster up to these decode batches
+# (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
