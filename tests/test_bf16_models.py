@@ -29,6 +29,7 @@ from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls
 from kvpager.core.config import EngineConfig, resolve_dtype
 from kvpager.engine.engine import Engine
 from kvpager.model import load_model
+from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
 from kvpager.model.backends.quant_weights import Bf16Weight, F16Weight
 
 BF16_STEP = 2.0**-7
@@ -174,7 +175,12 @@ def _assert_16bit_logits_close(
     err = (ours - hf_16).abs().max().item()
     assert err <= bound, f"max |kvpager {name} - transformers {name}| {err:.3e} > {bound:.3e}"
     exact_err = (ours - hf_f32).abs().max().item()
-    assert exact_err <= own_error, f"kvpager {name} is {exact_err:.3e} from float32, transformers {own_error:.3e}"
+    # Where oneDNN's bf16 GEMM runs the prompt's matmuls (AVX512-BF16/AMX), their activations are rounded
+    # to bf16 as transformers rounds them, so our error is of transformers' size, not below it: a fourth
+    # more is allowed there (1.02x measured on AMD Zen 5); elsewhere the activations stay float32.
+    rounded = name == "bf16" and native_bf16_matmul_available()
+    limit = own_error * (1.25 if rounded else 1.0)
+    assert exact_err <= limit, f"kvpager {name} is {exact_err:.3e} from float32, transformers {own_error:.3e}"
     assert (ours.argmax(-1) == hf_16.argmax(-1)).float().mean().item() >= 0.9
 
 

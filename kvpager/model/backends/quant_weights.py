@@ -193,7 +193,9 @@ class Bf16Weight(HalfWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_MIN_ROWS and _native_bf16():
-            return F.linear(x.to(torch.bfloat16), self.weight, bias).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
+            out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
+            # the bias (Qwen2's) stays in the compute dtype: added after, in float32
+            return out + bias.to(out.dtype) if bias is not None else out
         return super().matmul(x, bias)
 
 
