@@ -11,6 +11,7 @@ the same order: they agree bit for bit.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -93,19 +94,25 @@ def test_integer_dot_kernel_equals_the_quantized_activation_reference_to_float32
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_portable_and_avx2_integer_dot_paths_agree_bit_for_bit(fmt: str) -> None:
+def test_portable_avx2_and_vnni_integer_dot_paths_agree_bit_for_bit_bar_vnni_block_pairs(fmt: str) -> None:
     _kernels_or_skip()
-    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
+    kernels = load_quant_kernels()
+    levels = [level for level in (LEVEL_AVX512, LEVEL_AVX2) if kernels.dot_level(level) == level]
+    if not levels:
         pytest.skip("this CPU has no AVX2: only the portable path runs (tested against the reference)")
+    print(f"integer-dot paths compared with the portable one here: {levels} (2: AVX-512 VNNI, 1: AVX2)")
     gen = torch.Generator().manual_seed(list(FORMATS).index(fmt))
     for n, k in SHAPES:
         weight = FORMATS[fmt](torch.randn(n, k, generator=gen))
         for rows in (1, 3, 16):
             x = torch.randn(rows, k, generator=gen) * 3
-            weight.max_level = LEVEL_AVX2
-            avx2 = weight.dot_kernel(x)
             weight.max_level = LEVEL_PORTABLE
-            assert torch.equal(avx2, weight.dot_kernel(x)), (n, k, rows)
+            portable = weight.dot_kernel(x)
+            for level in levels:
+                if level == LEVEL_AVX512 and fmt in ("w8a8_g32", "w4a8_g32"):
+                    continue  # VNNI pairs the blocks of group 32 (other rounding; held to the reference above)
+                weight.max_level = level
+                assert torch.equal(weight.dot_kernel(x), portable), (n, k, rows, level)
 
 
 @pytest.mark.parametrize("fmt", ["w8a8_g32", "w8a8_g16", "w4a8_g32", "w8a8_channel", "w4a8_g128"])
@@ -128,12 +135,16 @@ def test_every_batch_size_and_the_torch_fallback_compute_the_same_quantized_prod
     gen = torch.Generator().manual_seed(5)
     weight = FORMATS[fmt](torch.randn(70, 128, generator=gen) * 0.05)
     bias = torch.randn(70, generator=gen)
-    limit = weight.dot_rows(load_quant_kernels())
-    for rows in (1, limit, limit + 1, 129):  # the dot kernel, exact tile, GEMM
-        x = torch.randn(2, rows, 128, generator=gen)
-        out = weight.matmul(x, bias)
-        assert out.shape == (2, rows, 70)
-        _assert_float32_rounding(out.view(-1, 70), x.view(-1, 128), weight, bias)
+    # the VNNI integer dot takes every batch; capped at AVX2 the exact tile and GEMM take the larger ones
+    for level in (None, LEVEL_AVX2):
+        weight.max_level = level
+        limit = weight.dot_rows(load_quant_kernels())
+        for rows in (1, 129) if limit is None else (1, limit, limit + 1, 129):  # the dot kernel, exact tile, GEMM
+            x = torch.randn(2, rows, 128, generator=gen)
+            out = weight.matmul(x, bias)
+            assert out.shape == (2, rows, 70)
+            _assert_float32_rounding(out.view(-1, 70), x.view(-1, 128), weight, bias)
+    weight.max_level = None
     monkeypatch.setattr(quant_dot, "quant_kernels_or_none", lambda: None)
     monkeypatch.setattr("kvpager.model.backends.quant_weights.quant_kernels_or_none", lambda: None)
     x = torch.randn(3, 128, generator=gen)
@@ -157,15 +168,23 @@ def test_the_dynamic_modes_differ_from_the_exact_ones_by_the_activation_rounding
     assert diff.max() > 1e-5  # the activations really are rounded (an exact run would differ by ~1e-7)
 
 
-def test_the_dot_kernels_row_limit_follows_the_exact_kernels_vector_width() -> None:
-    # AVX2 exact kernels (as wide as the integer dot): decode batches stay on the integer dot; with
-    # AVX-512 exact kernels (twice as wide) or the portable build, only a few rows do
-    assert dot_kernel_max_rows("int4", LEVEL_AVX2) == 32 and dot_kernel_max_rows("int8", LEVEL_AVX2) == 16
-    assert dot_kernel_max_rows("int4", LEVEL_AVX512) == dot_kernel_max_rows("int8", LEVEL_PORTABLE) == 4
+def test_the_dot_kernels_row_limit_follows_both_kernels_vector_width() -> None:
+    # AVX2 exact kernels (as wide as the integer dot): decode batches stay on the integer dot; AVX-512
+    # exact kernels against the AVX2 integer dot (twice as wide) or the portable build: only a few rows;
+    # the VNNI integer dot: decode batches again
+    assert dot_kernel_max_rows("int4", LEVEL_AVX2, LEVEL_AVX2) == 32
+    assert dot_kernel_max_rows("int8", LEVEL_AVX2, LEVEL_AVX2) == 16
+    assert dot_kernel_max_rows("int4", LEVEL_AVX512, LEVEL_AVX2) == DOT_KERNEL_MAX_ROWS == 4
+    assert dot_kernel_max_rows("int8", LEVEL_PORTABLE, LEVEL_PORTABLE) == 4
+    assert dot_kernel_max_rows("int8", LEVEL_AVX512, LEVEL_AVX512) is None  # every batch
+    assert dot_kernel_max_rows("int4", LEVEL_AVX512, LEVEL_AVX512) is None
     _kernels_or_skip()
     weight = Int4DotWeight.from_float(torch.randn(8, 64), 32)
     weight.max_level = LEVEL_PORTABLE  # a weight capped below AVX2 takes the portable exact path past 4 rows
     assert weight.dot_rows(load_quant_kernels()) == DOT_KERNEL_MAX_ROWS
+    if load_quant_kernels().dot_level(LEVEL_AVX512) == LEVEL_AVX512:
+        weight.max_level = LEVEL_AVX512  # this CPU has the VNNI integer dot
+        assert weight.dot_rows(load_quant_kernels()) is None
 
 
 def test_activations_are_quantized_symmetric_per_block_of_32_round_half_to_even() -> None:
@@ -221,9 +240,19 @@ def test_the_integer_dot_path_follows_the_cpu_and_the_isa_switch_and_is_logged(
     _kernels_or_skip()
     kernels = load_quant_kernels()
     monkeypatch.delenv("KVPAGER_KERNEL_ISA", raising=False)
-    best = LEVEL_AVX2 if kernels.best_level >= LEVEL_AVX2 else LEVEL_PORTABLE
+    flags = set(
+        next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+    )
+    vnni, avx2 = {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags, {"avx2", "fma"} <= flags
+    best = LEVEL_AVX512 if avx2 and vnni else LEVEL_AVX2 if avx2 else LEVEL_PORTABLE
     assert kernels.dot_level(kernels.default_level) == best
-    assert kernels.describe_dot().startswith("AVX2+FMA integer-dot" if best == LEVEL_AVX2 else "portable C++ integer")
+    names = {
+        LEVEL_AVX512: "AVX-512 VNNI integer-dot",
+        LEVEL_AVX2: "AVX2+FMA integer-dot",
+        LEVEL_PORTABLE: "portable C++",
+    }
+    assert kernels.describe_dot().startswith(names[best])
+    assert kernels.dot_level(LEVEL_AVX2) == min(best, LEVEL_AVX2)  # a cap below VNNI takes AVX2
     config = EngineConfig(quantization="w4a8_int8")
     with caplog.at_level("INFO", logger="kvpager"):
         log_weight_format(config, SimpleNamespace(torch_dtype="float32"), torch.device("cpu"))  # type: ignore[arg-type]

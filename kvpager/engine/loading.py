@@ -217,10 +217,13 @@ def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.devic
     elif config.quantization is not None or config.dtype in ("bfloat16", "float16"):
         kernels = quant_kernels_or_none()
         path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
+        path += " up to its batch limit"
         if kernels is not None and config.quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
-            rows = dot_kernel_max_rows(DYNAMIC_METHODS[config.quantization], kernels.default_level)
-            path = f"{kernels.describe_dot()} up to {rows} rows, then the {path}"
-        path += f" up to its batch limit; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
+            level = kernels.default_level
+            rows = dot_kernel_max_rows(DYNAMIC_METHODS[config.quantization], level, int(kernels.dot_level(level)))
+            dot = kernels.describe_dot()
+            path = f"{dot} at every batch size" if rows is None else f"{dot} up to {rows} rows, then the {path}"
+        path += f"; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
         path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
     else:
         path = f"{config.dtype} (CPU {torch.backends.cpu.get_cpu_capability()})"

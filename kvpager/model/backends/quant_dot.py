@@ -21,18 +21,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpager.model.backends.quant_kernels import LEVEL_AVX2, QuantKernels, load_quant_kernels, quant_kernels_or_none
+from kvpager.model.backends.quant_kernels import (
+    LEVEL_AVX2,
+    LEVEL_AVX512,
+    QuantKernels,
+    load_quant_kernels,
+    quant_kernels_or_none,
+)
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight
 
 ACTIVATION_BLOCK = 32
 # Up to this many input rows the integer-dot kernel runs. Beyond, the quantized activations go through the
 # exact kernel's shared L1 tile (dequantized once per call, float32 FMAs reused by every row). Where the
-# exact kernels have AVX-512 (twice the float lanes of the AVX2 integer dot, which has no VNNI build),
+# exact kernels have AVX-512 but the integer dot only AVX2 (no VNNI: twice the float lanes against it),
 # the integer kernel gains only where dequantizing dominates: a few rows.
 DOT_KERNEL_MAX_ROWS = 4
 # Where the exact kernels run AVX2 too, the integer dot stays faster up to these decode batches
 # (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
+# Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is as
+# fast as the exact path or faster at every batch, prompts included (measured on AMD Zen 5 up to 512
+# rows: BENCHMARKS.md), so it takes them all: dot_kernel_max_rows is None.
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
 
@@ -61,9 +70,12 @@ def reference_matmul(weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor |
     return out + bias.double() if bias is not None else out
 
 
-def dot_kernel_max_rows(weight_format: str, exact_level: int) -> int:
+def dot_kernel_max_rows(weight_format: str, exact_level: int, dot_level: int) -> int | None:
     """The most input rows the integer-dot kernel takes for a `weight_format` ("int8" | "int4") weight
-    whose exact kernels run at `exact_level` (quant_kernels.LEVEL_*); more rows take the exact path."""
+    whose exact kernels run at `exact_level` and integer dot at `dot_level` (quant_kernels.LEVEL_*;
+    LEVEL_AVX512 for the dot: its VNNI build); more rows take the exact path. None: every batch."""
+    if dot_level == LEVEL_AVX512:
+        return None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format] if exact_level == LEVEL_AVX2 else DOT_KERNEL_MAX_ROWS
 
 
@@ -85,14 +97,17 @@ class _DynamicActivations(PackedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
         x2 = x.reshape(-1, self.in_features)
-        if kernels is None or x2.shape[0] > self.dot_rows(kernels):
+        limit = self.dot_rows(kernels) if kernels is not None else 0
+        if kernels is None or (limit is not None and x2.shape[0] > limit):
             # the same quantized activations through the exact packed-weight path (its L1 tile / GEMM)
             return super().matmul(fake_quantize_activations(x.float()).to(x.dtype), bias)
         return self.dot_kernel(x2, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def dot_rows(self, kernels: QuantKernels) -> int:
-        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows)."""
-        return dot_kernel_max_rows(DYNAMIC_METHODS[self.method], self._level(kernels))
+    def dot_rows(self, kernels: QuantKernels) -> int | None:
+        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows;
+        None: every batch)."""
+        level = self._level(kernels)
+        return dot_kernel_max_rows(DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)))
 
     def dot_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x2 [M, in] through the integer-dot kernel at any M (its path: `max_level`) -> float32 [M, out]."""

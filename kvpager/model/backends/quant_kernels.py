@@ -38,6 +38,7 @@ INCLUDES = (
     KERNEL_DIR / "quant_body.inc",
     KERNEL_DIR / "quant_dot_simd.h",
     KERNEL_DIR / "quant_dot_body.inc",
+    KERNEL_DIR / "quant_dot_pairs.inc",
 )
 FLAGS = (
     "-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi",
@@ -75,7 +76,7 @@ class QuantKernels:
     level: Any
     best_level: int  # the best path this CPU has (kvq_level uncapped), read once at load
     dot_linear: Any  # kvq_dot_linear: integer dot products (w8a8_int8 / w4a8_int8)
-    dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX2 at most)
+    dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX512: AVX-512 VNNI)
 
     @property
     def default_level(self) -> int:
@@ -91,18 +92,18 @@ class QuantKernels:
     def describe_dot(self) -> str:
         """One line for the start-up log: the integer-dot path (w8a8_int8 / w4a8_int8) and why."""
         chosen = int(self.dot_level(self.default_level))
-        if chosen == LEVEL_AVX2:
+        best = int(self.dot_level(LEVEL_AVX512))
+        if chosen == LEVEL_AVX512:
+            how, why = "int8: _mm256_dpbusd_epi32, int4: _mm_dpbusd_epi32 x 2", "the best this CPU has"
+        elif chosen == LEVEL_AVX2:
             how = "int8: _mm256_maddubs_epi16 + _mm256_madd_epi16, int4: _mm_maddubs_epi16 x 2 + _mm_madd_epi16"
-            why = (
-                "this CPU has AVX-512; there is no AVX-512/VNNI build of it"
-                if self.best_level > LEVEL_AVX2
-                else "the best this CPU has"
-            )
+            why = "this CPU has AVX-512 without VNNI" if self.best_level > LEVEL_AVX2 else "the best this CPU has"
         else:
             how = "scalar int32"
-            why = f"{ISA_ENV}=portable" if self.best_level > LEVEL_PORTABLE else "this CPU has no AVX2"
+            why = f"{ISA_ENV}=portable" if best > LEVEL_PORTABLE else "this CPU has no AVX2"
+        name = "AVX-512 VNNI" if chosen == LEVEL_AVX512 else LEVEL_NAMES[chosen]
         return (
-            f"{LEVEL_NAMES[chosen]} integer-dot kernel ({how}; {why}): activations quantized to int8 per "
+            f"{name} integer-dot kernel ({how}; {why}): activations quantized to int8 per "
             "block of 32 per call, float32 accumulation across blocks (not exact)"
         )
 

@@ -13,9 +13,9 @@
 // Groups must be multiples of 32 (a block never straddles two), the whole row (int8 per channel), or
 // 16 for int8 (two scales per block, one per half: GGUF Q6_K).
 //
-// Two builds of quant_dot_body.inc, chosen per call: AVX2 + FMA and portable C++. Both scale with a
-// fused multiply-add (std::fma in the portable build: one rounding, as vfmadd), so both give the same bits.
-// A CPU with AVX-512 runs the AVX2 build (there is no AVX-512 / VNNI build).
+// Three builds of quant_dot_body.inc, chosen per call: AVX-512 VNNI (vpdpbusd on 256-bit vectors, where
+// the CPU has AVX512-VNNI and AVX512VL), AVX2 + FMA, and portable C++. All scale with a fused multiply-add
+// (std::fma in the portable build: one rounding, as vfmadd) in the same order, so all give the same bits.
 
 #include <omp.h>
 
@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #define KVQ_X86 1
 #define KVQ_PUSH_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define KVQ_PUSH_VNNI \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni\")")
 #define KVQ_POP _Pragma("GCC pop_options")
 #endif
 
@@ -37,7 +39,7 @@ namespace {
 
 constexpr int64_t kFmtInt8 = 1;  // the values of quant.cpp's formats
 constexpr int64_t kFmtInt4 = 2;
-constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1;
+constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1, kLevelVnni = 2;  // quant.cpp's numbering (2: AVX-512)
 
 struct DotPacked {
   int64_t fmt, N, K, group, num_groups, row_bytes;
@@ -68,10 +70,21 @@ using S = kvqd_simd::Avx2;
 #include "quant_dot_body.inc"
 }  // namespace avx2
 KVQ_POP
+KVQ_PUSH_VNNI
+namespace vnni {
+using S = kvqd_simd::Vnni;
+#define KVQD_PAIR_BLOCKS 1  // group-32 weights: two blocks per 512-bit vector (quant_dot_pairs.inc)
+#include "quant_dot_body.inc"
+#undef KVQD_PAIR_BLOCKS
+}  // namespace vnni
+KVQ_POP
 
 int64_t cpu_level() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kLevelAvx2 : kLevelPortable;
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return kLevelPortable;
+  const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return vnni ? kLevelVnni : kLevelAvx2;
 }
 #else
 int64_t cpu_level() { return kLevelPortable; }
@@ -83,7 +96,7 @@ int64_t dot_level_for(int64_t max_level) { return std::min(std::max<int64_t>(max
 
 extern "C" {
 
-// The path kvq_dot_linear takes for a cap of max_level (quant.cpp's numbering): 1 AVX2, 0 portable.
+// The path kvq_dot_linear takes for a cap of max_level (quant.cpp's numbering): 2 VNNI, 1 AVX2, 0 portable.
 int64_t kvq_dot_level(int64_t max_level) { return dot_level_for(max_level); }
 
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
@@ -115,7 +128,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   std::vector<int8_t> q(static_cast<size_t>(M * p.blocks * B));
   std::vector<float> d(static_cast<size_t>(M * p.blocks)), xs;
 #if defined(KVQ_X86)
-  if (level == kLevelAvx2)
+  if (level >= kLevelAvx2)  // the VNNI build quantizes with the AVX2 code (its quantize_block)
     avx2::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
   else
 #endif
@@ -132,6 +145,10 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   }
   const Act a{q.data(), d.data(), xs.data()};
 #if defined(KVQ_X86)
+  if (level == kLevelVnni) {
+    vnni::linear(p, a, M, bias, y, threads);
+    return 0;
+  }
   if (level == kLevelAvx2) {
     avx2::linear(p, a, M, bias, y, threads);
     return 0;

@@ -9,8 +9,8 @@
 // lane l = positions 4l..4l+3 and 16+4l..16+4l+3 (two 128-bit _mm_maddubs_epi16, one per nibble
 // half, added as int16, then _mm_madd_epi16: fewer multiply-port operations than one 256-bit pass,
 // and 256-bit operations cost two on CPUs that split them, such as AMD Zen 1).
-// Both structs build the lanes, scale them (a fused multiply-add: rounded once) and sum them in the
-// same order, so the portable and AVX2 paths agree bit for bit.
+// Every struct builds the lanes, scales them (a fused multiply-add: rounded once) and sums them in the
+// same order, so the portable, AVX2 and VNNI paths agree bit for bit.
 //
 // int4 blocks are the 16 bytes of two 8-byte spans (quant.cpp's layout): low nibbles = weights
 // 0..7 and 16..23, high nibbles = 8..15 and 24..31. The activation block is stored in that order
@@ -227,6 +227,64 @@ struct Avx2 {
         int4_order ? _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7) : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, order));
     return d;
+  }
+};
+KVQ_POP
+
+// AVX-512 VNNI (with VL, 256- and 128-bit forms): vpdpbusd multiplies unsigned by signed bytes and adds
+// each group of four products into an int32 lane in one instruction, without the int16 stage. Its lanes
+// are the same exact int32 sums as Avx2's (lane l = positions 4l..4l+3; int4: plus 16+4l..16+4l+3), so
+// everything after the dot, and the bits, are Avx2's.
+KVQ_PUSH_VNNI
+struct Vnni : Avx2 {
+  static V dot_i8(const W& w, X x) {
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.abs, _mm256_sign_epi8(x, w.v)));
+  }
+  static V4 dot_i4(const W4& w, X4 x) {
+    const __m128i t = _mm_dpbusd_epi32(_mm_setzero_si128(), w.lo, x.lo);
+    return _mm_cvtepi32_ps(_mm_dpbusd_epi32(t, w.hi, x.hi));
+  }
+
+  // Two blocks (b, b + 1) per 512-bit vector, for weights with one scale per block (quant_dot_pairs.inc).
+  // int8: 64 bytes, lanes 0..7 = block b, 8..15 = block b + 1. int4: 16-byte chunks [b low nibbles,
+  // b + 1 low, b high, b + 1 high], lanes 4c..4c+3 from chunk c; the activations are put in that order.
+  struct WP8 {  // int8: the absolute values and the mask of the negative ones
+    __m512i abs;
+    __mmask64 neg;
+  };
+  static WP8 w_pair_i8(const int8_t* w) {
+    const __m512i v = _mm512_loadu_si512(w);
+    return WP8{_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
+  }
+  static __m512i w_pair_i4(const uint8_t* w) {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+    return _mm512_and_si512(z, _mm512_set1_epi8(0xF));
+  }
+  static __m512i x_pair_i8(const int8_t* q) { return _mm512_loadu_si512(q); }
+  static __m512i x_pair_i4(const int8_t* q) {  // stored [b lo, b hi, b+1 lo, b+1 hi] -> chunks 0 2 1 3
+    const __m512i x = _mm512_loadu_si512(q);
+    return _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  static __m512 dot_pair_i8(const WP8& w, __m512i x) {  // |w| * (x negated where w < 0) = w * x
+    const __m512i xs = _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.abs, xs));
+  }
+  static __m512 dot_pair_i4(__m512i w, __m512i x) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+  }
+  // The two floats at f (block b's and b + 1's) spread over the lanes of their blocks.
+  static __m512 spread_i8(const float* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)); }
+  static __m512 spread_i4(const float* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)); }
+  static __m512 spread(const float* f, __m512i idx) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+  }
+  // One block's products as 8 float lanes (int4: the low-nibble half in lanes 0..3, the high in 4..7).
+  static V dot8(const W& w, const int8_t* q) { return dot_i8(w, load_x(q)); }
+  static V dot8(const W4& w, const int8_t* q) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set_m128i(w.hi, w.lo), x));
   }
 };
 KVQ_POP
