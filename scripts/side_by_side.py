@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--json-out", required=True)
     ap.add_argument("--log-dir", default=".", help="each engine's stdout/stderr goes to NAME.log here")
     args = ap.parse_args()
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     args.tokenizer = loadgen_tokenizer(args.tokenizer, Path(args.log_dir))
 
     procs: dict[str, subprocess.Popen[bytes]] = {}
