@@ -40,7 +40,7 @@ DOT_KERNEL_MAX_ROWS = 4
 # (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 # Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is as
-# fast as the exact path or faster at every batch, prompts included (measured on AMD Zen 5 up to 512
+# fast as the exact path or faster at every batch measured, prompts included (AMD Zen 5, 1 to 512
 # rows: BENCHMARKS.md), so it takes them all: dot_kernel_max_rows is None.
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
