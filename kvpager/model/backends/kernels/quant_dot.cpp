@@ -13,9 +13,10 @@
 // Groups must be multiples of 32 (a block never straddles two), the whole row (int8 per channel), or
 // 16 for int8 (two scales per block, one per half: GGUF Q6_K).
 //
-// Three builds of quant_dot_body.inc, chosen per call: AVX-512 VNNI (vpdpbusd on 256-bit vectors, where
-// the CPU has AVX512-VNNI and AVX512VL), AVX2 + FMA, and portable C++. All scale with a fused multiply-add
-// (std::fma in the portable build: one rounding, as vfmadd) in the same order, so all give the same bits.
+// Three builds of quant_dot_body.inc, chosen per call: AVX-512 VNNI (vpdpbusd, where the CPU has
+// AVX512-VNNI and AVX512VL/BW), AVX2 + FMA, and portable C++. All scale with a fused multiply-add
+// (std::fma in the portable build: one rounding, as vfmadd) in the same order, so all give the same bits,
+// except the VNNI build's group-32 weights, whose blocks go in pairs (quant_dot_pairs.inc: another order).
 
 #include <omp.h>
 

@@ -237,6 +237,8 @@ KVQ_POP
 // everything after the dot, and the bits, are Avx2's.
 KVQ_PUSH_VNNI
 struct Vnni : Avx2 {
+  using Avx2::hsum;
+  static float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }  // the pair tiles' 16 lanes
   static V dot_i8(const W& w, X x) {
     return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.abs, _mm256_sign_epi8(x, w.v)));
   }
