@@ -75,15 +75,21 @@ def exported_on(url: str, before: dict[str, float]) -> list[str]:
 
 def logged(ray: Any, pattern: str, text: str, timeout_s: float = 15.0) -> bool:
     """Whether a Ray log file matching `pattern` (under the session's logs) contains `text`."""
+    return text in log_text(ray, pattern, text, timeout_s)
+
+
+def log_text(ray: Any, pattern: str, text: str, timeout_s: float = 15.0) -> str:
+    """The Ray log files matching `pattern`, once one contains `text` or `timeout_s` has passed."""
     logs = ray._private.worker._global_node.get_logs_dir_path()  # NOTE: no public accessor in Ray 2.60
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
+        found = ""
         for path in glob.glob(os.path.join(logs, pattern)):
             with open(path, encoding="utf-8", errors="replace") as file:
-                if text in file.read():
-                    return True
+                found += file.read()
+        if text in found or time.monotonic() >= deadline:
+            return found
         time.sleep(0.5)
-    return False
 
 
 def test_prompts_are_prefilled_on_the_prefill_replica_holding_their_prefix(
@@ -107,7 +113,9 @@ def test_prompts_are_prefilled_on_the_prefill_replica_holding_their_prefix(
     assert exporter["a"][0] == exporter["a"][1], "the same prefix went to the same prefill replica"
     assert exporter["b"][0] != exporter["a"][0], "a new prefix went to the other prefill replica"
     decision = f"kvpager router: 3/4 blocks of the prompt held on replica {exporter['a'][0]}"
-    assert logged(ray, "serve/replica_kvpager_KVPagerEngine_*.log", decision), "a decode replica's router log"
+    routed = log_text(ray, "serve/replica_kvpager_KVPagerEngine_*.log", decision)
+    lines = [line for line in routed.splitlines() if "kvpager router:" in line]
+    assert decision in routed, f"a decode replica's router log holds {decision!r}: {lines}"
 
 
 def test_a_dead_prefill_pool_degrades_to_a_local_prefill(endpoint: tuple[str, Any], single: LLM) -> None:

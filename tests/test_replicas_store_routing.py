@@ -119,9 +119,11 @@ def test_the_router_ranks_by_the_store_the_replicas_report() -> None:
     ]
 
 
-def test_a_chain_routed_to_a_store_backed_replica_counts_in_the_store_until_its_report() -> None:
+def test_a_chain_routed_to_a_store_backed_replica_counts_in_the_store_until_a_report_holds_it() -> None:
     chain = [f"{i:016x}" for i in range(4)]
     router = fake_router()
+    now = [100.0]
+    router.clock = lambda: now[0]
     a = replica("a", {"seq": 1, "kv_blocks": [], "queue_len": 1, "kv_store_blocks": []})
     b = replica("b", {"seq": 1, "kv_blocks": [], "queue_len": 0, "kv_store_blocks": []})
     request = SimpleNamespace(kwargs={"kv_chain": chain}, metadata=SimpleNamespace(request_id="r"))
@@ -130,11 +132,71 @@ def test_a_chain_routed_to_a_store_backed_replica_counts_in_the_store_until_its_
     assert router._store_blocks(chain, ["a", "b"]) == 4  # a publishes what it prefills
     b.routing_stats = {**b.routing_stats, "queue_len": 2}
     assert choose(router, [a, b], chain) == ["a", "b"]  # then queue length decides
-    # a's next report (its store writes not done yet) replaces the guess
+    # a report taken before a wrote the blocks (delivered after the send) keeps the guess
     a.routing_stats = {**a.routing_stats, "seq": 2, "num_requests": 1}
+    choose(router, [a, b], chain)  # NOTE: the router reads a replica's new report when it ranks it
+    assert router.decisions[-1]["store_blocks"] == 4
+    # a report holding them ends the guess: a later report without them means they left the store
+    a.routing_stats = {**a.routing_stats, "seq": 3, "kv_blocks": chain, "kv_store_blocks": chain}
+    assert choose(router, [a, b], chain) == ["a", "b"] and router.decisions[-1]["store_blocks"] == 4
+    a.routing_stats = {**a.routing_stats, "seq": 4, "kv_blocks": [], "kv_store_blocks": []}
     b.routing_stats = {**b.routing_stats, "queue_len": 1}
     assert choose(router, [a, b], chain) == ["b", "a"]  # equal queues: b has fewer requests
     assert router._store_blocks(chain, ["a", "b"]) == 0 and router.decisions[-1]["store_blocks"] == 0
+
+
+def test_a_routed_chain_counts_as_held_until_a_report_holds_it_or_the_guess_expires() -> None:
+    chain = [f"{i:016x}" for i in range(4)]
+    router = fake_router(store_aware=False, guess_ttl_s=10.0)
+    now = [100.0]
+    router.clock = lambda: now[0]
+    a = replica("a", {"seq": 1, "kv_blocks": [], "queue_len": 0, "num_requests": 0})
+    b = replica("b", {"seq": 1, "kv_blocks": [], "queue_len": 0, "num_requests": 0})
+    request = SimpleNamespace(kwargs={"kv_chain": chain}, metadata=SimpleNamespace(request_id="r"))
+    asyncio.run(router.choose_replicas([a, b], request))
+    router.on_request_routed(request, FakeReplicaID("b"), None)
+    turn = chain[:3] + ["ffffffffffffffff"]  # the next turn shares 3 blocks
+    assert choose(router, [a, b], turn)[0] == "b" and router.decisions[-1]["matched_blocks"] == 3
+    # b's report was taken before b prefilled the chain and delivered after the send: still b's
+    b.routing_stats = {**b.routing_stats, "seq": 2, "num_requests": 1}
+    assert choose(router, [a, b], turn)[0] == "b" and router.decisions[-1]["matched_blocks"] == 3
+    # a report holding the blocks takes over from the guess; one without them means b evicted them
+    b.routing_stats = {**b.routing_stats, "seq": 3, "kv_blocks": chain}
+    assert choose(router, [a, b], turn)[0] == "b" and router.decisions[-1]["matched_blocks"] == 3
+    b.routing_stats = {**b.routing_stats, "seq": 4, "kv_blocks": []}
+    assert router.decisions[-1]["matched_blocks"] == 3
+    choose(router, [a, b], turn)
+    assert router.decisions[-1]["matched_blocks"] == 0, "evicted blocks are not held on the guess"
+    # a guess no report ever confirms (an aborted request) ends guess_ttl_s after its send
+    request = SimpleNamespace(kwargs={"kv_chain": turn}, metadata=SimpleNamespace(request_id="r2"))
+    asyncio.run(router.choose_replicas([a, b], request))
+    router.on_request_routed(request, FakeReplicaID("a"), None)
+    now[0] += 9.0
+    choose(router, [a, b], turn)
+    assert router.decisions[-1] == {"replica": "a", "matched_blocks": 4, "store_blocks": 0, "chain_blocks": 4}
+    now[0] += 2.0
+    choose(router, [a, b], turn)
+    assert router.decisions[-1]["matched_blocks"] == 0 and not router._held_guesses["a"]
+
+
+def test_a_send_counts_for_the_fewer_requests_tie_break_until_the_replicas_count_shows_it() -> None:
+    router = fake_router(store_aware=False, guess_ttl_s=10.0)
+    now = [100.0]
+    router.clock = lambda: now[0]
+    a = replica("a", {"seq": 1, "kv_blocks": [], "queue_len": 0, "num_requests": 0})
+    b = replica("b", {"seq": 1, "kv_blocks": [], "queue_len": 0, "num_requests": 0})
+    assert choose(router, [a, b], []) == ["a", "b"]  # a tie: the first by id
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(request_id="r")), FakeReplicaID("a"), None)
+    assert choose(router, [a, b], []) == ["b", "a"]  # a new conversation goes to the other replica
+    a.routing_stats = {**a.routing_stats, "seq": 2}  # taken before the request reached a: still counted
+    assert choose(router, [a, b], []) == ["b", "a"]
+    a.routing_stats = {**a.routing_stats, "seq": 3, "num_requests": 1}  # the count shows it: not twice
+    b.routing_stats = {**b.routing_stats, "seq": 2, "num_requests": 1}  # another caller's request on b
+    assert choose(router, [a, b], []) == ["a", "b"]
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(request_id="s")), FakeReplicaID("a"), None)
+    assert choose(router, [a, b], []) == ["b", "a"]
+    now[0] += 11.0  # a send the replica never counted ends with the guesses
+    assert choose(router, [a, b], []) == ["a", "b"]
 
 
 def test_a_replica_reports_a_bounded_set_of_the_stores_hashes(

@@ -9,22 +9,26 @@ the router ranks the replicas with `policy.rank`, the store's part of the chain 
 blocks held in the union of every candidate's store report (`store_aware=False`: ignored, the
 device-only rule). The router never talks to the store itself.
 
-Between two reports the router also counts the chains it has just sent to a replica as held there
-(they are being prefilled there) and, when that replica reports a store, as held in the store (it
-publishes what it computes), so the next turn of a conversation that arrives before the next report
-still finds its replica; the next report replaces that guess with the replica's real state.
+The router also counts the chains it has just sent to a replica as held there (they are being
+prefilled there) and, when that replica reports a store, as held in the store (it publishes what it
+computes), so the next turn of a conversation that arrives before the replica reports those blocks
+still finds its replica. A guessed hash lasts until a report holds it (from then on the reports say
+whether it is still there) or until `guess_ttl_s` after it was sent: a report taken before the
+replica prefilled the request, delivered after it was sent, must not erase it.
 A request with `metrics_slot=i` goes to the i-th replica (by id), so the ingress can reach each one.
 
-The "fewer requests" tie-break counts what each replica reports it has handled (`num_requests`) plus
-what this router sent it since that report: every caller holds its own router (the ingress, and each
-decode replica calling the prefill pool), so counting only its own sends would make every caller
-start new prompts on the same replica.
+The "fewer requests" tie-break counts what each replica reports it has received (`num_requests`)
+plus what this router sent it that the reports do not show yet: every caller holds its own router
+(the ingress, and each decode replica calling the prefill pool), so counting only its own sends would
+make every caller start new prompts on the same replica. A send counts until the replica's count has
+grown past it (a report taken before it arrived leaves it counted) or `guess_ttl_s` has passed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +39,7 @@ from kvpager.api.replicas.policy import DEFAULT_MAX_IMBALANCE, ReplicaView, matc
 logger = logging.getLogger("ray.serve")  # NOTE: Ray Serve writes this logger to the process's Serve log
 
 MAX_DECISIONS = 1024
+GUESS_TTL_S = 30.0  # NOTE: queue wait + prefill + report period + delivery, with a wide margin
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +52,23 @@ class _Report:
 class KVAwareRequestRouter(RequestRouter):
     """Prefers the replica holding the longest prefix of the prompt, balanced against queue length."""
 
-    def initialize_state(self, max_imbalance: int = DEFAULT_MAX_IMBALANCE, store_aware: bool = False, **_: Any) -> None:
+    def initialize_state(
+        self,
+        max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+        store_aware: bool = False,
+        guess_ttl_s: float = GUESS_TTL_S,
+        **_: Any,
+    ) -> None:
         self.max_imbalance = max_imbalance
         self.store_aware = store_aware
+        self.guess_ttl_s = guess_ttl_s
+        self.clock = time.monotonic
         self._reports: dict[str, _Report] = {}
-        self._routed_since_report: dict[str, set[str]] = {}
-        self._sent_since_report: Counter[str] = Counter()
+        # NOTE: replica -> hash -> when it was sent there; device and store guesses end separately
+        self._held_guesses: dict[str, dict[str, float]] = {}
+        self._stored_guesses: dict[str, dict[str, float]] = {}
+        self._unreported_sends: dict[str, deque[float]] = {}  # replica -> when, oldest first
+        self._reported_requests: dict[str, int] = {}
         self._chains: dict[str, list[str]] = {}  # request id -> chain, until it is routed
         self.decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
 
@@ -95,13 +111,17 @@ class KVAwareRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         replica = replica_id.unique_id
-        self._sent_since_report[replica] += 1
+        self._unreported_sends.setdefault(replica, deque()).append(self.clock())
         chain = self._chains.pop(pending_request.metadata.request_id, None)
         if chain:
-            self._routed_since_report.setdefault(replica, set()).update(chain)
+            now = self.clock()
+            self._held_guesses.setdefault(replica, {}).update(dict.fromkeys(chain, now))
+            report = self._reports.get(replica)
+            if self.store_aware and report is not None and report.stored is not None:
+                self._stored_guesses.setdefault(replica, {}).update(dict.fromkeys(chain, now))
 
     def _report(self, replica: RunningReplica) -> _Report:
-        """The replica's last report (cached per report: a new one replaces this router's guesses)."""
+        """The replica's last report (cached per report: a new one ends the guesses it confirms)."""
         replica_key = replica.replica_id.unique_id
         stats = replica.routing_stats or {}
         seq = int(stats.get("seq", -1))
@@ -112,21 +132,56 @@ class KVAwareRequestRouter(RequestRouter):
                 seq, frozenset(stats.get("kv_blocks", ())), frozenset(stored) if stored is not None else None
             )
             self._reports[replica_key] = report
-            self._routed_since_report.pop(replica_key, None)  # NOTE: the report is the replica's truth
-            self._sent_since_report.pop(replica_key, None)
+            self._confirm(self._held_guesses, replica_key, report.held)
+            self._confirm(self._stored_guesses, replica_key, report.stored or frozenset())
+            received = int(stats.get("num_requests", 0))
+            grown = received - self._reported_requests.get(replica_key, 0)
+            self._reported_requests[replica_key] = received
+            sends = self._unreported_sends.get(replica_key)
+            if sends:
+                for _ in range(min(max(grown, 0), len(sends))):
+                    sends.popleft()
         return report
+
+    def _guessed(self, guesses: dict[str, dict[str, float]], replica_key: str) -> set[str]:
+        """The hashes guessed on `replica_key` that are younger than `guess_ttl_s` (older ones dropped)."""
+        sent = guesses.get(replica_key)
+        if not sent:
+            return set()
+        oldest = self.clock() - self.guess_ttl_s
+        for hash_hex in [h for h, at in sent.items() if at < oldest]:
+            del sent[hash_hex]
+        return set(sent)
+
+    def _unshown_sends(self, replica_key: str) -> int:
+        """This router's sends to `replica_key` that its reports do not count yet (expired ones dropped)."""
+        sends = self._unreported_sends.get(replica_key)
+        if not sends:
+            return 0
+        oldest = self.clock() - self.guess_ttl_s
+        while sends and sends[0] < oldest:
+            sends.popleft()
+        return len(sends)
+
+    def _confirm(self, guesses: dict[str, dict[str, float]], replica_key: str, reported: frozenset[str]) -> None:
+        """Ends the guesses a report holds (from now on the reports say whether they are there) and the expired."""
+        sent = guesses.get(replica_key)
+        if sent:
+            for hash_hex in reported.intersection(sent):
+                del sent[hash_hex]
+            self._guessed(guesses, replica_key)
 
     def _view(self, replica: RunningReplica, chain: list[str]) -> ReplicaView:
         replica_key = replica.replica_id.unique_id
         report = self._report(replica)
         held: set[str] | frozenset[str] = report.held
-        guessed = self._routed_since_report.get(replica_key)
+        guessed = self._guessed(self._held_guesses, replica_key)
         if guessed:
             held = report.held | guessed
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         if queue_len is None:
             queue_len = int((replica.routing_stats or {}).get("queue_len", 0))
-        num_requests = int((replica.routing_stats or {}).get("num_requests", 0)) + self._sent_since_report[replica_key]
+        num_requests = self._reported_requests.get(replica_key, 0) + self._unshown_sends(replica_key)
         return ReplicaView(replica_key, matched(chain, held), int(queue_len), num_requests)
 
     def _store_blocks(self, chain: list[str], replicas: list[str]) -> int:
@@ -137,7 +192,7 @@ class KVAwareRequestRouter(RequestRouter):
             if report is None or report.stored is None:
                 continue
             helds.append(report.stored)
-            guessed = self._routed_since_report.get(replica)
+            guessed = self._guessed(self._stored_guesses, replica)
             if guessed:
                 helds.append(guessed)
         return matched_in_any(chain, helds) if helds else 0
