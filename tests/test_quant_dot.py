@@ -257,6 +257,13 @@ def test_the_integer_dot_path_follows_the_cpu_and_the_isa_switch_and_is_logged(
     with caplog.at_level("INFO", logger="kvpager"):
         log_weight_format(config, SimpleNamespace(torch_dtype="float32"), torch.device("cpu"))  # type: ignore[arg-type]
     assert "quantization w4a8_int8, group 128" in caplog.text and "integer-dot kernel" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvpager"):  # a GGUF file: its types, not "none"
+        for config in (EngineConfig(), EngineConfig(gguf_int8_activations=True)):
+            log_weight_format(config, SimpleNamespace(torch_dtype="float32"), torch.device("cpu"), gguf=True)  # type: ignore[arg-type]
+    exact, with_dot = caplog.records[-2].getMessage(), caplog.records[-1].getMessage()
+    assert "quantization the GGUF file's own types" in exact and "integer-dot" not in exact
+    assert "quantization the GGUF file's own types" in with_dot and "integer-dot kernel" in with_dot
     monkeypatch.setenv("KVPAGER_KERNEL_ISA", "portable")
     assert kernels.dot_level(kernels.default_level) == LEVEL_PORTABLE
     assert kernels.describe_dot().startswith("portable C++ integer-dot kernel (scalar int32")

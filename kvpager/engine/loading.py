@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvpager.core.config import DTYPE_BYTES, DYNAMIC_ACTIVATION_QUANTIZATIONS, EngineConfig, resolve_dtype
+from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
 from kvpager.core.hashing import FingerprintComponent, RequestId, model_fingerprint
 from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
@@ -156,7 +156,7 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         gguf_int8_activations=config.gguf_int8_activations,
     )
     model.eval()
-    log_weight_format(config, spec, device, lm_head_format(model))
+    log_weight_format(config, spec, device, lm_head_format(model), gguf=gguf_model is not None)
     weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
     # NOTE: model.spec is this rank's shard (its KV heads) under tensor parallelism, else the model's
@@ -209,25 +209,35 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
     )
 
 
-def log_weight_format(config: EngineConfig, spec: ModelSpec, device: torch.device, lm_head: str | None = None) -> None:
+def log_weight_format(
+    config: EngineConfig, spec: ModelSpec, device: torch.device, lm_head: str | None = None, gguf: bool = False
+) -> None:
     """One start-up line: the dtype chosen and why, the quantization, the linear layers' code path and
     the lm_head's format (`lm_head`: kvpager.model.lm_head.lm_head_format)."""
     if device.type != "cpu":
         path = "torch on " + device.type + (" (packed weights dequantized per call)" if config.quantization else "")
-    elif config.quantization is not None or config.dtype in ("bfloat16", "float16"):
+    elif config.quantization is not None or config.dtype in ("bfloat16", "float16") or gguf:
         kernels = quant_kernels_or_none()
         path = kernels.describe() if kernels is not None else "torch (no compiler for the packed-weight kernels)"
         path += " up to its batch limit"
-        if kernels is not None and config.quantization in DYNAMIC_ACTIVATION_QUANTIZATIONS:
+        # NOTE: a GGUF file's int8-activation parts are int8 and int4 weights (each type's form: below)
+        dot_formats = [DYNAMIC_METHODS[config.quantization]] if config.quantization in DYNAMIC_METHODS else []
+        if gguf and config.gguf_int8_activations and config.quantization is None:
+            dot_formats = ["int8", "int4"]
+        if kernels is not None and dot_formats:
             level = kernels.default_level
-            rows = dot_kernel_max_rows(DYNAMIC_METHODS[config.quantization], level, int(kernels.dot_level(level)))
+            limits = {f: dot_kernel_max_rows(f, level, int(kernels.dot_level(level))) for f in dot_formats}
             dot = kernels.describe_dot()
-            path = f"{dot} at every batch size" if rows is None else f"{dot} up to {rows} rows, then the {path}"
+            if all(rows is None for rows in limits.values()):
+                path = f"{dot} at every batch size"
+            else:
+                rows_text = " / ".join(f"{rows} rows ({f})" for f, rows in limits.items())
+                path = f"{dot} up to {rows_text}, then the {path}"
         path += f"; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
         path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
     else:
         path = f"{config.dtype} (CPU {torch.backends.cpu.get_cpu_capability()})"
-    quant = config.quantization or "none"
+    quant = config.quantization or ("the GGUF file's own types (per type below)" if gguf else "none")
     if config.quantization is not None:
         quant += f", group {config.resolved_quantization_group_size or 'per output channel'}"
     logger.info(
