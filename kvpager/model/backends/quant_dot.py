@@ -39,9 +39,10 @@ DOT_KERNEL_MAX_ROWS = 4
 # Where the exact kernels run AVX2 too, the integer dot stays faster up to these decode batches
 # (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
-# Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is as
-# fast as the exact path or faster at every batch measured, prompts included (AMD Zen 5, 1 to 512
-# rows: BENCHMARKS.md), so it takes them all: dot_kernel_max_rows is None.
+# Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is
+# faster than the exact kernel's L1 tile at every decode batch, so it takes them all:
+# dot_kernel_max_rows is None. Prompt-sized batches (over KERNEL_MAX_ROWS rows, where the exact path
+# is torch's GEMM) follow a measurement at load: dot_prompt_path.py sets `prompt_rows`.
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
 
@@ -91,23 +92,32 @@ def check_dynamic_group(method: str, group: int, in_features: int) -> None:
         )
 
 
-class _DynamicActivations(PackedWeight):
+class DynamicActivations(PackedWeight):
     """The matmul of the dynamic formats (mixed into Int8Weight / Int4Weight)."""
+
+    # where the integer dot takes every batch: the most rows it takes after all (dot_prompt_path.py)
+    prompt_rows: int | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
         x2 = x.reshape(-1, self.in_features)
         limit = self.dot_rows(kernels) if kernels is not None else 0
         if kernels is None or (limit is not None and x2.shape[0] > limit):
-            # the same quantized activations through the exact packed-weight path (its L1 tile / GEMM)
-            return super().matmul(fake_quantize_activations(x.float()).to(x.dtype), bias)
+            # the same quantized activations (float32) through the exact packed-weight path (L1 tile / GEMM)
+            out = self.exact_matmul(fake_quantize_activations(x.float()), bias)
+            return out.to(x.dtype)
         return self.dot_kernel(x2, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x through the exact packed-weight path of the stored format (quant_weights.py)."""
+        return super().matmul(x, bias)
+
     def dot_rows(self, kernels: QuantKernels) -> int | None:
-        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows;
-        None: every batch)."""
+        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows, or
+        `prompt_rows` where that is every batch; None: every batch)."""
         level = self._level(kernels)
-        return dot_kernel_max_rows(DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)))
+        rows = dot_kernel_max_rows(DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)))
+        return self.prompt_rows if rows is None else rows
 
     def dot_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x2 [M, in] through the integer-dot kernel at any M (its path: `max_level`) -> float32 [M, out]."""
@@ -127,7 +137,7 @@ class _DynamicActivations(PackedWeight):
         return out
 
 
-class Int8DotWeight(_DynamicActivations, Int8Weight):
+class Int8DotWeight(DynamicActivations, Int8Weight):
     """int8 weights (symmetric, as Int8Weight) times int8 activations quantized per block of 32."""
 
     method = "w8a8_int8"
@@ -137,7 +147,7 @@ class Int8DotWeight(_DynamicActivations, Int8Weight):
         super().__init__(qweight, scales, group_size)
 
 
-class Int4DotWeight(_DynamicActivations, Int4Weight):
+class Int4DotWeight(DynamicActivations, Int4Weight):
     """int4 weights (asymmetric, as Int4Weight) times int8 activations quantized per block of 32."""
 
     method = "w4a8_int8"
