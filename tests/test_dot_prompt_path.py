@@ -1,24 +1,26 @@
 """Where the integer dot takes every batch (AVX-512 VNNI), prompts over KERNEL_MAX_ROWS rows go to the
-exact path's dequantize + GEMM when a load-time measurement found it faster (dot_prompt_path.py).
+exact path's dequantize + GEMM on Intel CPUs (a fixed rule per vendor, dot_prompt_path.py).
 
-The choice only moves rows between two paths computing the same quantized activations times the same
+The rule only moves rows between two paths computing the same quantized activations times the same
 dequantized weight, so both are held to the same reference; what is pinned here is which path runs,
-which weights the choice reaches (GGUF row stacks and affine wrappers included), that small weights
-are never timed (a test model's results never depend on a measurement) and the log line."""
+which weights the rule reaches (GGUF row stacks and affine wrappers included), the vendor parsing and
+the log line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from kvpager.model.backends import dot_prompt_path, quant_dot
-from kvpager.model.backends.dot_prompt_path import choose_prompt_paths, dynamic_weights, gemm_is_faster, measure
+from kvpager.model.backends import quant_dot
+from kvpager.model.backends.dot_prompt_path import cpu_vendor, dynamic_weights, prompt_rows_for, route_prompts
 from kvpager.model.backends.kernels.build import KernelBuildError
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight, reference_matmul
 from kvpager.model.backends.quant_kernels import load_quant_kernels
-from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS
+from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS, Int4Weight
 from kvpager.model.gguf_packed import AffineInt8Weight, RowStack
 
 
@@ -53,10 +55,15 @@ def counting(monkeypatch: pytest.MonkeyPatch, weight: Any) -> dict[str, int]:
     return calls
 
 
-def test_the_gemm_path_must_win_by_the_margin() -> None:
-    assert gemm_is_faster(dot_s=1.0, gemm_s=0.8)
-    assert not gemm_is_faster(dot_s=1.0, gemm_s=0.9)  # a near tie keeps the integer dot
-    assert not gemm_is_faster(dot_s=0.5, gemm_s=1.0)
+def test_the_vendor_decides_and_is_read_from_cpuinfo(tmp_path: Path) -> None:
+    assert prompt_rows_for("GenuineIntel") == KERNEL_MAX_ROWS
+    assert prompt_rows_for("AuthenticAMD") is None and prompt_rows_for(None) is None
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
+    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
+    cpuinfo.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # an Arm machine names no vendor_id
+    assert cpu_vendor(cpuinfo) is None
+    assert cpu_vendor(tmp_path / "missing") is None
 
 
 @pytest.mark.usefixtures("every_batch_on_the_dot")
@@ -68,7 +75,7 @@ def test_prompt_rows_send_larger_batches_to_the_exact_path_with_the_same_result(
     calls = counting(monkeypatch, weight)
     x = torch.randn(KERNEL_MAX_ROWS + 1, 96, generator=torch.Generator().manual_seed(2))
     weight.matmul(x, None)
-    assert calls == {"dot": 1, "exact": 0}, "without a measurement the integer dot takes every batch"
+    assert calls == {"dot": 1, "exact": 0}, "without the rule the integer dot takes every batch"
     weight.prompt_rows = KERNEL_MAX_ROWS
     results = {rows: weight.matmul(x[:rows], None) for rows in (KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1)}
     assert calls == {"dot": 2, "exact": 1}, "128 rows on the integer dot, 129 on the exact path"
@@ -77,41 +84,43 @@ def test_prompt_rows_send_larger_batches_to_the_exact_path_with_the_same_result(
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4), rows
 
 
-def test_the_measurement_reaches_every_weight_of_the_format_it_timed(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, every_batch_on_the_dot: None
+def test_the_rule_reaches_every_integer_dot_weight_on_an_intel_cpu(
+    caplog: pytest.LogCaptureFixture, every_batch_on_the_dot: None
 ) -> None:
     gen = torch.Generator().manual_seed(3)
     int4 = [Int4DotWeight.from_float(torch.randn(n, 64, generator=gen), 32) for n in (8, 24, 16)]
     int8 = Int8DotWeight.from_float(torch.randn(32, 64, generator=gen), 32)
     affine = AffineInt8Weight(Int8DotWeight.from_float(torch.randn(8, 64, generator=gen), 32), torch.zeros(8, 2))
-    weights = [RowStack([int4[0], int8]), int4[1], affine, int4[2]]
+    exact = Int4Weight.from_float(torch.randn(8, 64, generator=gen), 32)  # not an integer-dot weight
+    weights = [RowStack([int4[0], int8]), int4[1], affine, int4[2], exact]
     assert {id(w) for w in dynamic_weights(weights)} == {id(w) for w in [*int4, int8, affine.inner]}
-    timed: list[tuple[int, int]] = []
-
-    def fake_measure(weight: Any, rows: int = 0) -> tuple[float, float]:
-        timed.append(weight.shape)
-        return (2.0, 1.0) if isinstance(weight, Int4DotWeight) else (1.0, 1.0)  # GEMM wins for int4 only
-
-    monkeypatch.setattr(dot_prompt_path, "measure", fake_measure)
-    assert choose_prompt_paths(weights) == [], "weights under MIN_WEIGHTS are never timed"
-    assert timed == [] and all(w.prompt_rows is None for w in dynamic_weights(weights))
+    assert route_prompts(weights, "AuthenticAMD") == {}
+    assert all(w.prompt_rows is None for w in dynamic_weights(weights))
     with caplog.at_level("INFO", logger="kvpager.kernels"):
-        choices = choose_prompt_paths(weights, min_weights=0)
-    assert sorted(timed) == [(24, 64), (32, 64)], "each format's largest weight, once"
-    assert [(c.weight_format, c.gemm_wins) for c in choices] == [("int4", True), ("int8", False)]
-    assert all(w.prompt_rows == KERNEL_MAX_ROWS for w in int4)
-    assert int8.prompt_rows is None and affine.inner.prompt_rows is None
-    assert "integer-dot int4 prompts" in caplog.text and "take the GEMM path" in caplog.text
-    assert "integer-dot int8 prompts" in caplog.text and "take the integer dot" in caplog.text
+        assert route_prompts(weights, "GenuineIntel") == {"int4": KERNEL_MAX_ROWS, "int8": KERNEL_MAX_ROWS}
+    assert all(w.prompt_rows == KERNEL_MAX_ROWS for w in dynamic_weights(weights))
+    assert not hasattr(exact, "prompt_rows")
+    assert "integer-dot int4 weights: batches over 128 rows take the dequantize + float32 GEMM path" in caplog.text
 
 
-def test_a_weight_the_rule_already_limits_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_weight_the_rule_already_limits_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant_dot, "dot_kernel_max_rows", lambda *_: 4)  # e.g. an AVX2-only integer dot
-    monkeypatch.setattr(dot_prompt_path, "measure", lambda *_: pytest.fail("timed a limited weight"))
     weight = Int4DotWeight.from_float(torch.randn(8, 64), 32)
-    assert choose_prompt_paths([weight], min_weights=0) == [] and weight.prompt_rows is None
+    assert route_prompts([weight], "GenuineIntel") == {} and weight.prompt_rows is None
 
 
-def test_measure_times_both_paths() -> None:
-    dot_s, gemm_s = measure(Int4DotWeight.from_float(torch.randn(16, 64), 32), rows=8)
-    assert 0 < dot_s < 10 and 0 < gemm_s < 10
+def test_the_start_up_line_names_where_prompts_leave_the_integer_dot(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvpager.core.config import EngineConfig
+    from kvpager.engine import loading
+
+    monkeypatch.setattr(loading, "dot_kernel_max_rows", lambda *_: None)
+    spec: Any = SimpleNamespace(torch_dtype="bfloat16")
+    config = EngineConfig(gguf_int8_activations=True)
+    with caplog.at_level("INFO", logger="kvpager"):
+        loading.log_weight_format(config, spec, torch.device("cpu"), gguf=True, prompt_rows={"int4": KERNEL_MAX_ROWS})
+        loading.log_weight_format(config, spec, torch.device("cpu"), gguf=True)
+    routed, everywhere = caplog.records[-2].getMessage(), caplog.records[-1].getMessage()
+    assert "for every batch (int8) / up to 128 rows (int4), then the" in routed
+    assert "integer-dot kernel" in everywhere and "at every batch size" in everywhere

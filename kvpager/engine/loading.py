@@ -19,10 +19,10 @@ from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
-from kvpager.model.backends.dot_prompt_path import choose_prompt_paths
+from kvpager.model.backends.dot_prompt_path import cpu_vendor, route_prompts
 from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, dot_kernel_max_rows
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
-from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS, Int8Weight
+from kvpager.model.backends.quant_weights import Int8Weight
 from kvpager.model.dtypes import TORCH_DTYPES
 from kvpager.model.llama import CausalLM
 from kvpager.model.lm_head import lm_head_format
@@ -158,10 +158,7 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         gguf_int8_activations=config.gguf_int8_activations,
     )
     model.eval()
-    prompt_rows: dict[str, int] = {}
-    if device.type == "cpu" and parallel is None:  # NOTE: every TP rank must compute alike: no timing there
-        choices = choose_prompt_paths(packed_weights(model).values())
-        prompt_rows = {c.weight_format: KERNEL_MAX_ROWS for c in choices if c.gemm_wins}
+    prompt_rows = route_prompts(packed_weights(model).values(), cpu_vendor()) if device.type == "cpu" else {}
     log_weight_format(config, spec, device, lm_head_format(model), gguf=gguf_model is not None, prompt_rows=prompt_rows)
     weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
@@ -224,7 +221,7 @@ def log_weight_format(
     prompt_rows: dict[str, int] | None = None,
 ) -> None:
     """The start-up line on the weights and the path their linear layers take (`prompt_rows`: the
-    dot formats whose prompts the load-time measurement sent to the GEMM path, dot_prompt_path.py)."""
+    integer-dot formats whose prompts go to the GEMM path, dot_prompt_path.py)."""
     """One start-up line: the dtype chosen and why, the quantization, the linear layers' code path and
     the lm_head's format (`lm_head`: kvpager.model.lm_head.lm_head_format)."""
     if device.type != "cpu":
@@ -246,9 +243,9 @@ def log_weight_format(
                 path = f"{dot} at every batch size"
             else:
                 rows_text = " / ".join(
-                    f"{'every batch' if rows is None else f'{rows} rows'} ({f})" for f, rows in limits.items()
+                    f"{'every batch' if rows is None else f'up to {rows} rows'} ({f})" for f, rows in limits.items()
                 )
-                path = f"{dot} up to {rows_text}, then the {path}"
+                path = f"{dot} for {rows_text}, then the {path}"
         path += f"; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
         path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"
     else:

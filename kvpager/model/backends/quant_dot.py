@@ -42,7 +42,7 @@ DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 # Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is
 # faster than the exact kernel's L1 tile at every decode batch, so it takes them all:
 # dot_kernel_max_rows is None. Prompt-sized batches (over KERNEL_MAX_ROWS rows, where the exact path
-# is torch's GEMM) follow a measurement at load: dot_prompt_path.py sets `prompt_rows`.
+# is torch's GEMM) follow a rule per CPU vendor: dot_prompt_path.py sets `prompt_rows`.
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
 
@@ -95,7 +95,7 @@ def check_dynamic_group(method: str, group: int, in_features: int) -> None:
 class DynamicActivations(PackedWeight):
     """The matmul of the dynamic formats (mixed into Int8Weight / Int4Weight)."""
 
-    # where the integer dot takes every batch: the most rows it takes after all (dot_prompt_path.py)
+    # where the integer dot could take every batch: the most rows it takes after all (dot_prompt_path.py)
     prompt_rows: int | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
