@@ -20,9 +20,9 @@ benchmark folder, which also makes the model):
 Both serving one GGUF file (BENCHMARKS.md converts the `1b` model with llama.cpp's tools); a .gguf
 given as `--tokenizer` has its vocabulary written out as a tokenizer.json for the load generator:
 
-    python scripts/side_by_side.py --loadgen BENCH_DIR/loadgen.py --tokenizer llama-1b-Q4_K_M.gguf \
-        --concurrency 1:4,16:16 --output-len 64 --rounds 2 --json-out side_by_side_1b_gguf.jsonl \
-        --engine "kvpager-q4_k_m=8101=kvpager serve --model llama-1b-Q4_K_M.gguf --port 8101" \
+    python scripts/side_by_side.py --loadgen BENCH_DIR/loadgen.py --tokenizer llama-1b-Q4_K_M.gguf \\
+        --concurrency 1:4,16:16 --output-len 64 --rounds 2 --json-out side_by_side_1b_gguf.jsonl \\
+        --engine "kvpager-q4_k_m=8101=kvpager serve --model llama-1b-Q4_K_M.gguf --port 8101" \\
         --engine "llama-q4_k_m=8102=llama-server -m llama-1b-Q4_K_M.gguf -t 2 -np 16 -c 16384 -cb --port 8102"
 """
 
