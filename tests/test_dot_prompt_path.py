@@ -1,10 +1,10 @@
-"""Where the integer dot takes every batch (AVX-512 VNNI), prompts over KERNEL_MAX_ROWS rows go to the
-exact path's dequantize + GEMM on Intel CPUs (a fixed rule per vendor, dot_prompt_path.py).
+"""Where the integer dot has AVX-512 VNNI, prompts over KERNEL_MAX_ROWS rows go to the exact path's
+dequantize + GEMM on Intel CPUs (`dot_kernel_max_rows`' vendor rule, quant_dot.py); elsewhere the
+integer dot takes every batch.
 
 The rule only moves rows between two paths computing the same quantized activations times the same
-dequantized weight, so both are held to the same reference; what is pinned here is which path runs,
-which weights the rule reaches (GGUF row stacks and affine wrappers included), the vendor parsing and
-the log line."""
+dequantized weight, so both are held to the same reference; what is pinned here is the rule, which
+path runs (GGUF row stacks and affine wrappers included), the vendor parsing and the log line."""
 
 from __future__ import annotations
 
@@ -16,12 +16,19 @@ import pytest
 import torch
 
 from kvpager.model.backends import quant_dot
-from kvpager.model.backends.dot_prompt_path import cpu_vendor, dynamic_weights, prompt_rows_for, route_prompts
 from kvpager.model.backends.kernels.build import KernelBuildError
-from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight, reference_matmul
-from kvpager.model.backends.quant_kernels import load_quant_kernels
-from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS, Int4Weight
+from kvpager.model.backends.quant_dot import (
+    Int4DotWeight,
+    Int8DotWeight,
+    dot_kernel_max_rows,
+    read_cpu_vendor,
+    reference_matmul,
+)
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels
+from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS
 from kvpager.model.gguf_packed import AffineInt8Weight, RowStack
+
+REAL_RULE = dot_kernel_max_rows
 
 
 @pytest.fixture(autouse=True)
@@ -32,14 +39,14 @@ def kernels() -> None:
         pytest.skip(f"no C++ compiler for the packed-weight kernels: {exc}")
 
 
-@pytest.fixture
-def every_batch_on_the_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The VNNI rule on any CPU: the integer dot takes every batch unless `prompt_rows` says otherwise."""
-    monkeypatch.setattr(quant_dot, "dot_kernel_max_rows", lambda *_: None)
+def on_a_vnni_cpu_of(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
+    """The rule as a VNNI CPU of `vendor` applies it, on any CPU."""
+    monkeypatch.setattr(
+        quant_dot, "dot_kernel_max_rows", lambda f, *_: REAL_RULE(f, LEVEL_AVX512, LEVEL_AVX512, vendor)
+    )
 
 
-def counting(monkeypatch: pytest.MonkeyPatch, weight: Any) -> dict[str, int]:
-    calls = {"dot": 0, "exact": 0}
+def counting(monkeypatch: pytest.MonkeyPatch, weight: Any, calls: dict[str, int]) -> None:
     dot, exact = weight.dot_kernel, weight.exact_matmul
 
     def on_dot(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -52,31 +59,41 @@ def counting(monkeypatch: pytest.MonkeyPatch, weight: Any) -> dict[str, int]:
 
     monkeypatch.setattr(weight, "dot_kernel", on_dot)
     monkeypatch.setattr(weight, "exact_matmul", on_exact)
-    return calls
 
 
-def test_the_vendor_decides_and_is_read_from_cpuinfo(tmp_path: Path) -> None:
-    assert prompt_rows_for("GenuineIntel") == KERNEL_MAX_ROWS
-    assert prompt_rows_for("AuthenticAMD") is None and prompt_rows_for(None) is None
+def test_the_vnni_rule_sends_prompts_to_the_gemm_path_on_intel_only() -> None:
+    for weight_format in ("int8", "int4"):
+        assert dot_kernel_max_rows(weight_format, LEVEL_AVX512, LEVEL_AVX512, "GenuineIntel") == KERNEL_MAX_ROWS
+        assert dot_kernel_max_rows(weight_format, LEVEL_AVX512, LEVEL_AVX512, "AuthenticAMD") is None
+        assert dot_kernel_max_rows(weight_format, LEVEL_AVX512, LEVEL_AVX512, None) is None
+        # without VNNI the vendor changes nothing (the AVX2 limits are smaller anyway)
+        for exact in (LEVEL_AVX512, LEVEL_AVX2, LEVEL_PORTABLE):
+            assert dot_kernel_max_rows(weight_format, exact, LEVEL_AVX2, "GenuineIntel") == dot_kernel_max_rows(
+                weight_format, exact, LEVEL_AVX2, "AuthenticAMD"
+            )
+
+
+def test_the_vendor_is_read_from_cpuinfo(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
-    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
+    assert read_cpu_vendor(cpuinfo) == "AuthenticAMD"
     cpuinfo.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # an Arm machine names no vendor_id
-    assert cpu_vendor(cpuinfo) is None
-    assert cpu_vendor(tmp_path / "missing") is None
+    assert read_cpu_vendor(cpuinfo) is None
+    assert read_cpu_vendor(tmp_path / "missing") is None
 
 
-@pytest.mark.usefixtures("every_batch_on_the_dot")
 @pytest.mark.parametrize("make", [lambda w: Int4DotWeight.from_float(w, 32), lambda w: Int8DotWeight.from_float(w)])
-def test_prompt_rows_send_larger_batches_to_the_exact_path_with_the_same_result(
+def test_prompts_over_the_limit_take_the_exact_path_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch, make: Any
 ) -> None:
     weight = make(torch.randn(40, 96, generator=torch.Generator().manual_seed(1)))
-    calls = counting(monkeypatch, weight)
+    calls = {"dot": 0, "exact": 0}
+    counting(monkeypatch, weight, calls)
     x = torch.randn(KERNEL_MAX_ROWS + 1, 96, generator=torch.Generator().manual_seed(2))
+    on_a_vnni_cpu_of(monkeypatch, "AuthenticAMD")
     weight.matmul(x, None)
-    assert calls == {"dot": 1, "exact": 0}, "without the rule the integer dot takes every batch"
-    weight.prompt_rows = KERNEL_MAX_ROWS
+    assert calls == {"dot": 1, "exact": 0}, "elsewhere the integer dot takes every batch"
+    on_a_vnni_cpu_of(monkeypatch, "GenuineIntel")
     results = {rows: weight.matmul(x[:rows], None) for rows in (KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1)}
     assert calls == {"dot": 2, "exact": 1}, "128 rows on the integer dot, 129 on the exact path"
     for rows, out in results.items():
@@ -84,29 +101,19 @@ def test_prompt_rows_send_larger_batches_to_the_exact_path_with_the_same_result(
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4), rows
 
 
-def test_the_rule_reaches_every_integer_dot_weight_on_an_intel_cpu(
-    caplog: pytest.LogCaptureFixture, every_batch_on_the_dot: None
-) -> None:
+def test_the_rule_reaches_gguf_row_stacks_and_affine_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)
-    int4 = [Int4DotWeight.from_float(torch.randn(n, 64, generator=gen), 32) for n in (8, 24, 16)]
-    int8 = Int8DotWeight.from_float(torch.randn(32, 64, generator=gen), 32)
+    int4 = Int4DotWeight.from_float(torch.randn(8, 64, generator=gen), 32)
+    int8 = Int8DotWeight.from_float(torch.randn(16, 64, generator=gen), 32)
     affine = AffineInt8Weight(Int8DotWeight.from_float(torch.randn(8, 64, generator=gen), 32), torch.zeros(8, 2))
-    exact = Int4Weight.from_float(torch.randn(8, 64, generator=gen), 32)  # not an integer-dot weight
-    weights = [RowStack([int4[0], int8]), int4[1], affine, int4[2], exact]
-    assert {id(w) for w in dynamic_weights(weights)} == {id(w) for w in [*int4, int8, affine.inner]}
-    assert route_prompts(weights, "AuthenticAMD") == {}
-    assert all(w.prompt_rows is None for w in dynamic_weights(weights))
-    with caplog.at_level("INFO", logger="kvpager.kernels"):
-        assert route_prompts(weights, "GenuineIntel") == {"int4": KERNEL_MAX_ROWS, "int8": KERNEL_MAX_ROWS}
-    assert all(w.prompt_rows == KERNEL_MAX_ROWS for w in dynamic_weights(weights))
-    assert not hasattr(exact, "prompt_rows")
-    assert "integer-dot int4 weights: batches over 128 rows take the dequantize + float32 GEMM path" in caplog.text
-
-
-def test_a_weight_the_rule_already_limits_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quant_dot, "dot_kernel_max_rows", lambda *_: 4)  # e.g. an AVX2-only integer dot
-    weight = Int4DotWeight.from_float(torch.randn(8, 64), 32)
-    assert route_prompts([weight], "GenuineIntel") == {} and weight.prompt_rows is None
+    calls = {"dot": 0, "exact": 0}
+    for weight in (int4, int8, affine.inner):
+        counting(monkeypatch, weight, calls)
+    on_a_vnni_cpu_of(monkeypatch, "GenuineIntel")
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=gen)
+    RowStack([int4, int8]).matmul(x, None)
+    affine.matmul(x, None)
+    assert calls == {"dot": 0, "exact": 3}
 
 
 def test_the_start_up_line_names_where_prompts_leave_the_integer_dot(
@@ -115,11 +122,12 @@ def test_the_start_up_line_names_where_prompts_leave_the_integer_dot(
     from kvpager.core.config import EngineConfig
     from kvpager.engine import loading
 
-    monkeypatch.setattr(loading, "dot_kernel_max_rows", lambda *_: None)
     spec: Any = SimpleNamespace(torch_dtype="bfloat16")
     config = EngineConfig(gguf_int8_activations=True)
     with caplog.at_level("INFO", logger="kvpager"):
-        loading.log_weight_format(config, spec, torch.device("cpu"), gguf=True, prompt_rows={"int4": KERNEL_MAX_ROWS})
+        monkeypatch.setattr(loading, "dot_kernel_max_rows", lambda f, *_: KERNEL_MAX_ROWS if f == "int4" else None)
+        loading.log_weight_format(config, spec, torch.device("cpu"), gguf=True)
+        monkeypatch.setattr(loading, "dot_kernel_max_rows", lambda *_: None)
         loading.log_weight_format(config, spec, torch.device("cpu"), gguf=True)
     routed, everywhere = caplog.records[-2].getMessage(), caplog.records[-1].getMessage()
     assert "for every batch (int8) / up to 128 rows (int4), then the" in routed

@@ -25,13 +25,21 @@ from kvpager.model.backends.quant_dot import (
     DOT_KERNEL_MAX_ROWS,
     Int4DotWeight,
     Int8DotWeight,
+    cpu_vendor,
     dot_kernel_max_rows,
     fake_quantize_activations,
     quantize_activations,
     reference_matmul,
 )
 from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels
-from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows, quantize
+from kvpager.model.backends.quant_weights import (
+    KERNEL_MAX_ROWS,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    cat_rows,
+    quantize,
+)
 from kvpager.planner.weights import quantized_matrix_bytes
 
 BATCHES = [1, 3, 16, 64]
@@ -183,8 +191,9 @@ def test_the_dot_kernels_row_limit_follows_both_kernels_vector_width() -> None:
     weight.max_level = LEVEL_PORTABLE  # a weight capped below AVX2 takes the portable exact path past 4 rows
     assert weight.dot_rows(load_quant_kernels()) == DOT_KERNEL_MAX_ROWS
     if load_quant_kernels().dot_level(LEVEL_AVX512) == LEVEL_AVX512:
-        weight.max_level = LEVEL_AVX512  # this CPU has the VNNI integer dot
-        assert weight.dot_rows(load_quant_kernels()) is None
+        weight.max_level = LEVEL_AVX512  # this CPU has the VNNI integer dot: every batch, or up to the
+        # prompts' limit on the vendors whose prompts take the GEMM path (tests/test_dot_prompt_path.py)
+        assert weight.dot_rows(load_quant_kernels()) == (KERNEL_MAX_ROWS if cpu_vendor() == "GenuineIntel" else None)
 
 
 def test_activations_are_quantized_symmetric_per_block_of_32_round_half_to_even() -> None:

@@ -19,8 +19,7 @@ from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
-from kvpager.model.backends.dot_prompt_path import cpu_vendor, route_prompts
-from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, dot_kernel_max_rows
+from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, cpu_vendor, dot_kernel_max_rows
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Int8Weight
 from kvpager.model.dtypes import TORCH_DTYPES
@@ -31,7 +30,6 @@ from kvpager.model.loader import (
     load_model,
     model_weight_bytes,
     packed_layout_digest,
-    packed_weights,
     quantized_weights_digest,
 )
 from kvpager.model.parallel import TensorParallel
@@ -158,8 +156,7 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         gguf_int8_activations=config.gguf_int8_activations,
     )
     model.eval()
-    prompt_rows = route_prompts(packed_weights(model).values(), cpu_vendor()) if device.type == "cpu" else {}
-    log_weight_format(config, spec, device, lm_head_format(model), gguf=gguf_model is not None, prompt_rows=prompt_rows)
+    log_weight_format(config, spec, device, lm_head_format(model), gguf=gguf_model is not None)
     weight_bytes = model_weight_bytes(model)
     budget = kv_budget(config, device, weight_bytes)
     # NOTE: model.spec is this rank's shard (its KV heads) under tensor parallelism, else the model's
@@ -218,12 +215,9 @@ def log_weight_format(
     device: torch.device,
     lm_head: str | None = None,
     gguf: bool = False,
-    prompt_rows: dict[str, int] | None = None,
 ) -> None:
-    """The start-up line on the weights and the path their linear layers take (`prompt_rows`: the
-    integer-dot formats whose prompts go to the GEMM path, dot_prompt_path.py)."""
     """One start-up line: the dtype chosen and why, the quantization, the linear layers' code path and
-    the lm_head's format (`lm_head`: kvpager.model.lm_head.lm_head_format)."""
+    the lm_head's format (`lm_head`: kvpager.model.lm_head.lm_head_format; `gguf`: a GGUF file's)."""
     if device.type != "cpu":
         path = "torch on " + device.type + (" (packed weights dequantized per call)" if config.quantization else "")
     elif config.quantization is not None or config.dtype in ("bfloat16", "float16") or gguf:
@@ -236,8 +230,8 @@ def log_weight_format(
             dot_formats = ["int8", "int4"]
         if kernels is not None and dot_formats:
             level = kernels.default_level
-            limits = {f: dot_kernel_max_rows(f, level, int(kernels.dot_level(level))) for f in dot_formats}
-            limits = {f: (prompt_rows or {}).get(f) if rows is None else rows for f, rows in limits.items()}
+            dot_level = int(kernels.dot_level(level))
+            limits = {f: dot_kernel_max_rows(f, level, dot_level, cpu_vendor()) for f in dot_formats}
             dot = kernels.describe_dot()
             if all(rows is None for rows in limits.values()):
                 path = f"{dot} at every batch size"

@@ -111,10 +111,10 @@ class KVAwareRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         replica = replica_id.unique_id
-        self._unreported_sends.setdefault(replica, deque()).append(self.clock())
+        now = self.clock()
+        self._unreported_sends.setdefault(replica, deque()).append(now)
         chain = self._chains.pop(pending_request.metadata.request_id, None)
         if chain:
-            now = self.clock()
             self._held_guesses.setdefault(replica, {}).update(dict.fromkeys(chain, now))
             report = self._reports.get(replica)
             if self.store_aware and report is not None and report.stored is not None:

@@ -18,6 +18,9 @@ user-facing --quantization-group-size keeps multiples of 32).
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +31,7 @@ from kvpager.model.backends.quant_kernels import (
     load_quant_kernels,
     quant_kernels_or_none,
 )
-from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight
+from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS, Int4Weight, Int8Weight, PackedWeight
 
 ACTIVATION_BLOCK = 32
 # Up to this many input rows the integer-dot kernel runs. Beyond, the quantized activations go through the
@@ -40,9 +43,14 @@ DOT_KERNEL_MAX_ROWS = 4
 # (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 # Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is
-# faster than the exact kernel's L1 tile at every decode batch, so it takes them all:
-# dot_kernel_max_rows is None. Prompt-sized batches (over KERNEL_MAX_ROWS rows, where the exact path
-# is torch's GEMM) follow a rule per CPU vendor: dot_prompt_path.py sets `prompt_rows`.
+# faster than the exact kernel's L1 tile at every decode batch. Over KERNEL_MAX_ROWS rows the exact path
+# is another algorithm (dequantized chunks, torch's float32 GEMM), and which is faster for prompts
+# depends on the CPU (BENCHMARKS.md, the 1b linears at 256 and 512 rows, group 32): on an AMD Zen 5 the
+# integer dot by 1.6-1.8x, on an Intel Xeon (float32 GEMM 1.7x Zen 5's) the GEMM path by 1.3-1.5x. So
+# on these vendors' CPUs prompts take the GEMM path; elsewhere the integer dot takes every batch. A fixed
+# rule, not a timing at start-up: a timing taken while other engines loaded chose the slower path, and a
+# choice moving between starts would move logits (the two paths differ by float32 rounding).
+GEMM_PROMPT_VENDORS = frozenset({"GenuineIntel"})
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
 
@@ -71,13 +79,33 @@ def reference_matmul(weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor |
     return out + bias.double() if bias is not None else out
 
 
-def dot_kernel_max_rows(weight_format: str, exact_level: int, dot_level: int) -> int | None:
+def dot_kernel_max_rows(weight_format: str, exact_level: int, dot_level: int, vendor: str | None = None) -> int | None:
     """The most input rows the integer-dot kernel takes for a `weight_format` ("int8" | "int4") weight
     whose exact kernels run at `exact_level` and integer dot at `dot_level` (quant_kernels.LEVEL_*;
-    LEVEL_AVX512 for the dot: its VNNI build); more rows take the exact path. None: every batch."""
+    LEVEL_AVX512 for the dot: its VNNI build) on a CPU of `vendor` (x86 `vendor_id`); more rows take
+    the exact path. None: every batch."""
     if dot_level == LEVEL_AVX512:
-        return None
+        return KERNEL_MAX_ROWS if vendor in GEMM_PROMPT_VENDORS else None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format] if exact_level == LEVEL_AVX2 else DOT_KERNEL_MAX_ROWS
+
+
+def read_cpu_vendor(cpuinfo: Path) -> str | None:
+    """The vendor `cpuinfo` (a /proc/cpuinfo) names (x86 `vendor_id`), None where it names none."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return None
+
+
+@functools.cache
+def cpu_vendor() -> str | None:
+    """This machine's CPU vendor, read once (dot_rows asks on every call)."""
+    return read_cpu_vendor(Path("/proc/cpuinfo"))
 
 
 def check_dynamic_group(method: str, group: int, in_features: int) -> None:
@@ -92,11 +120,8 @@ def check_dynamic_group(method: str, group: int, in_features: int) -> None:
         )
 
 
-class DynamicActivations(PackedWeight):
+class _DynamicActivations(PackedWeight):
     """The matmul of the dynamic formats (mixed into Int8Weight / Int4Weight)."""
-
-    # where the integer dot could take every batch: the most rows it takes after all (dot_prompt_path.py)
-    prompt_rows: int | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
@@ -113,11 +138,10 @@ class DynamicActivations(PackedWeight):
         return super().matmul(x, bias)
 
     def dot_rows(self, kernels: QuantKernels) -> int | None:
-        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows, or
-        `prompt_rows` where that is every batch; None: every batch)."""
+        """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows;
+        None: every batch)."""
         level = self._level(kernels)
-        rows = dot_kernel_max_rows(DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)))
-        return self.prompt_rows if rows is None else rows
+        return dot_kernel_max_rows(DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)), cpu_vendor())
 
     def dot_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x2 [M, in] through the integer-dot kernel at any M (its path: `max_level`) -> float32 [M, out]."""
@@ -137,7 +161,7 @@ class DynamicActivations(PackedWeight):
         return out
 
 
-class Int8DotWeight(DynamicActivations, Int8Weight):
+class Int8DotWeight(_DynamicActivations, Int8Weight):
     """int8 weights (symmetric, as Int8Weight) times int8 activations quantized per block of 32."""
 
     method = "w8a8_int8"
@@ -147,7 +171,7 @@ class Int8DotWeight(DynamicActivations, Int8Weight):
         super().__init__(qweight, scales, group_size)
 
 
-class Int4DotWeight(DynamicActivations, Int4Weight):
+class Int4DotWeight(_DynamicActivations, Int4Weight):
     """int4 weights (asymmetric, as Int4Weight) times int8 activations quantized per block of 32."""
 
     method = "w4a8_int8"
