@@ -2,7 +2,9 @@
 
 For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, the same int8 / int4 weights
 with int8 activations and integer dot products (w8a8_int8 / w4a8_int8: not exact), torch's
-`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`), each K x N shape (input x output features;
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`; on request, w8a8_int8_dot / w4a8_int8_dot: the
+integer-dot kernel at every M, where w8a8_int8 / w4a8_int8 hand batches past `dot_kernel_max_rows` to
+the exact path), each K x N shape (input x output features;
 by default the linear shapes of Llama-3.2-1B: q/o, k/v, gate/up, down and a tied 32000-row lm_head)
 and each batch of M input rows, the script times y = x @ W.T and reports weight GB/s (weight bytes
 read per call / time), GFLOP/s (2 M N K / time) and the ratio to a read probe that sums a float32
@@ -44,6 +46,9 @@ SHAPES_1B = "2048x2048,2048x512,2048x8192,8192x2048,2048x32000"
 LAYER_1B = [(2048, 2048), (2048, 512), (2048, 512), (2048, 2048), (2048, 8192), (2048, 8192), (8192, 2048)]
 LAYERS_1B, LM_HEAD_1B = 16, (2048, 32000)
 FORMATS = ("f32", "bf16", "int8", "int4", "w8a8_int8", "w4a8_int8", "torch_int8", "torch_int4")
+# Not in the default list: the integer-dot kernel at every M, whatever dot_kernel_max_rows says (the
+# numbers that rule is set from).
+DOT_ONLY = ("w8a8_int8_dot", "w4a8_int8_dot")
 
 
 @dataclass
@@ -64,6 +69,14 @@ def _packed(weight: PackedWeight, min_mb: int) -> tuple[int, Callable[[torch.Ten
     return weight.nbytes, lambda x, i: ws[i].matmul(x, None), n
 
 
+def _dot_only(
+    weight: Int8DotWeight | Int4DotWeight, min_mb: int
+) -> tuple[int, Callable[[torch.Tensor, int], object], int]:
+    n = _copies(weight.nbytes, min_mb)
+    ws = [weight] + [copy.deepcopy(weight) for _ in range(n - 1)]
+    return weight.nbytes, lambda x, i: ws[i].dot_kernel(x), n
+
+
 def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
     """One format's candidate for the float weight w [N, K]."""
     if fmt == "f32":
@@ -80,6 +93,10 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
         return Candidate(fmt, *_packed(Int8DotWeight.from_float(w), min_mb))
     if fmt == "w4a8_int8":
         return Candidate(f"w4a8_int8_g{group}", *_packed(Int4DotWeight.from_float(w, group), min_mb))
+    if fmt == "w8a8_int8_dot":
+        return Candidate(fmt, *_dot_only(Int8DotWeight.from_float(w), min_mb))
+    if fmt == "w4a8_int8_dot":
+        return Candidate(f"w4a8_int8_dot_g{group}", *_dot_only(Int4DotWeight.from_float(w, group), min_mb))
     if fmt == "torch_int8":
         q = Int8Weight.from_float(w)
         n = _copies(q.nbytes, min_mb)
@@ -100,7 +117,7 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
             lambda x, i: torch._weight_int4pack_mm_for_cpu(x, ps[i][0], group, ps[i][1]),
             n,
         )
-    raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
+    raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS + DOT_ONLY}")
 
 
 def probe(nbytes: int, min_mb: int) -> Candidate:

@@ -16,7 +16,9 @@
 // Three builds of quant_dot_body.inc, chosen per call: AVX-512 VNNI (vpdpbusd, where the CPU has
 // AVX512-VNNI and AVX512VL/BW), AVX2 + FMA, and portable C++. All scale with a fused multiply-add
 // (std::fma in the portable build: one rounding, as vfmadd) in the same order, so all give the same bits,
-// except the VNNI build's group-32 weights, whose blocks go in pairs (quant_dot_pairs.inc: another order).
+// except the VNNI build's group-32 weights, whose blocks go in 512-bit pairs (quant_dot_pairs.inc:
+// another order). int4 blocks go in 256-bit pairs in the other builds (tile_i4_pairs) and, at groups of
+// an even number of blocks, in all three (tile_i4_group_pairs).
 
 #include <omp.h>
 

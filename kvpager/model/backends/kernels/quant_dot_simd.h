@@ -114,6 +114,40 @@ struct Portable {
     }
     return r;
   }
+  // Two int4 blocks (b, b + 1) at once, for weights with one scale per block (quant_dot_body.inc's
+  // tile_i4_pairs): 8 lanes, 0..3 = dot_i4 of block b, 4..7 = dot_i4 of block b + 1. The weight pair is
+  // the 32 stored bytes of both blocks, the activation pair their 64 stored bytes.
+  using W4x2 = const uint8_t*;
+  using X4x2 = X;
+  static W4x2 w_i4x2(const uint8_t* w) { return w; }
+  static X4x2 x_i4x2(const int8_t* q) { return q; }
+  static V dot_i4x2(W4x2 w, X4x2 x) {
+    const V4 a = dot_i4(w_i4(w), x), b = dot_i4(w_i4(w + 16), x + kBlock);
+    V r;
+    for (int l = 0; l < 4; ++l) r.v[l] = a.v[l], r.v[4 + l] = b.v[l];
+    return r;
+  }
+  static V spread2(const float* f) {  // f[0] in lanes 0..3, f[1] in 4..7
+    V r;
+    for (int l = 0; l < 8; ++l) r.v[l] = f[l / 4];
+    return r;
+  }
+  static V mul(V a, V b) {
+    for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
+    return a;
+  }
+  static V fmadd(V a, V b, V acc) {  // acc + a * b, rounded once
+    for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(a.v[l], b.v[l], acc.v[l]);
+    return acc;
+  }
+  static V madd_low(V acc, V4 a, float d, float s) {  // lanes 0..3 += (a * d) * s; lanes 4..7 unchanged
+    for (int l = 0; l < 4; ++l) acc.v[l] = std::fma(a.v[l] * d, s, acc.v[l]);
+    return acc;
+  }
+  static V madd_low(V acc, V4 a, float d) {  // lanes 0..3 += a * d, rounded once
+    for (int l = 0; l < 4; ++l) acc.v[l] = std::fma(a.v[l], d, acc.v[l]);
+    return acc;
+  }
   // Quantizes x[0..n) (n <= 32; the rest of the block is zero) into q (32 bytes); returns d.
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     float amax = 0.0f;
@@ -194,6 +228,37 @@ struct Avx2 {
     // int16 sums add without saturating
     const __m128i p16 = _mm_add_epi16(_mm_maddubs_epi16(w.lo, x.lo), _mm_maddubs_epi16(w.hi, x.hi));
     return _mm_cvtepi32_ps(_mm_madd_epi16(p16, _mm_set1_epi16(1)));
+  }
+  // Portable's block pairs in one 256-bit pass: the two blocks' codes are one 32-byte load, and each
+  // 128-bit half of the products is one block's, with the lanes dot_i4 gives (the same int32 sums).
+  struct W4x2 {  // [b low nibbles | b + 1 low nibbles], [b high | b + 1 high]
+    __m256i lo, hi;
+  };
+  using X4x2 = W4x2;  // the activations in the same halves
+  static W4x2 w_i4x2(const uint8_t* w) {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), m = _mm256_set1_epi8(0xF);
+    return W4x2{_mm256_and_si256(t, m), _mm256_and_si256(_mm256_srli_epi16(t, 4), m)};
+  }
+  static __m256i two_halves(const int8_t* a, const int8_t* b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  }
+  static X4x2 x_i4x2(const int8_t* q) {
+    return X4x2{two_halves(q, q + kBlock), two_halves(q + 16, q + kBlock + 16)};
+  }
+  static V dot_i4x2(const W4x2& w, const X4x2& x) {
+    const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x.lo), _mm256_maddubs_epi16(w.hi, x.hi));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+  }
+  static V spread2(const float* f) { return _mm256_set_m128(_mm_set1_ps(f[1]), _mm_set1_ps(f[0])); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
+  static V madd_low(V acc, V4 a, float d, float s) {
+    const __m128 lo = _mm_fmadd_ps(_mm_mul_ps(a, _mm_set1_ps(d)), _mm_set1_ps(s), _mm256_castps256_ps128(acc));
+    return _mm256_insertf128_ps(acc, lo, 0);
+  }
+  static V madd_low(V acc, V4 a, float d) {
+    return _mm256_insertf128_ps(acc, _mm_fmadd_ps(a, _mm_set1_ps(d), _mm256_castps256_ps128(acc)), 0);
   }
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     alignas(32) float buf[kBlock];
