@@ -63,16 +63,20 @@ def _name(dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def cpu_features() -> str:
-    """The CPU's relevant instruction sets as torch detects them, e.g. "AVX2 (no AVX512-BF16/AMX)"."""
-    capability = torch.backends.cpu.get_cpu_capability()
+def bf16_isas() -> list[str]:
+    """The bfloat16 instruction sets torch detects on this CPU: "AVX512-BF16", "AMX", or none."""
     cpu = getattr(torch, "cpu", None)
-    bf16 = [
+    return [
         name
         for name, probe in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
         if cpu is not None and getattr(cpu, probe, lambda: False)()
     ]
-    return f"{capability} ({'+'.join(bf16) if bf16 else 'no AVX512-BF16/AMX'})"
+
+
+def cpu_features() -> str:
+    """The CPU's relevant instruction sets as torch detects them, e.g. "AVX2 (no AVX512-BF16/AMX)"."""
+    bf16 = bf16_isas()
+    return f"{torch.backends.cpu.get_cpu_capability()} ({'+'.join(bf16) if bf16 else 'no AVX512-BF16/AMX'})"
 
 
 def plan_precision(dtype: torch.dtype, device: torch.device | str) -> PrecisionPlan:
@@ -82,7 +86,7 @@ def plan_precision(dtype: torch.dtype, device: torch.device | str) -> PrecisionP
         return PrecisionPlan(dtype, dtype, dtype, f"{device_type}: one dtype throughout")
     features = cpu_features()
     if dtype == torch.bfloat16:
-        native = "AMX" in features or "AVX512-BF16" in features
+        native = bool(bf16_isas())  # NOTE: not a substring test of `features`, which names both when absent
         reason = f"CPU {features}: bfloat16 weights and KV cache widened in registers, float32 kernels" + (
             "; large batches in oneDNN's bf16 GEMM" if native else "; bfloat16 arithmetic would be emulated"
         )
