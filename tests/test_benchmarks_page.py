@@ -1,4 +1,4 @@
-"""Every command BENCHMARKS.md tells a reader to run exists in this repository and parses."""
+"""Every command BENCHMARKS.md and its history page tell a reader to run exists here and parses."""
 
 from __future__ import annotations
 
@@ -13,11 +13,17 @@ from kvpager.cli.bench import BENCHES
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "BENCHMARKS.md"
+HISTORY = ROOT / "benchmarks" / "history.md"
+PAGES = (PAGE, HISTORY)
+
+
+def _text() -> str:
+    return "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
 
 
 def _commands() -> list[list[str]]:
-    """The page's fenced command lines (continuations joined, comments dropped), as argv lists."""
-    text = PAGE.read_text(encoding="utf-8")
+    """Both pages' fenced command lines (continuations joined, comments dropped), as argv lists."""
+    text = _text()
     commands = []
     for block in re.findall(r"```\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -51,14 +57,26 @@ def test_every_cited_command_names_a_script_or_cli_that_exists_and_parses(argv: 
 
 
 def test_no_path_outside_the_repository_is_cited() -> None:
-    text = PAGE.read_text(encoding="utf-8")
-    assert not re.search(r"(?<![\w.])/(tmp|work|home|root)/", text)
-    assert "../" not in text
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        assert not re.search(r"(?<![\w.])/(tmp|work|home|root)/", text), page.name
+        for target in re.findall(r"\]\(([^)#]+)", text):
+            if "://" in target:
+                continue
+            resolved = (page.parent / target).resolve()
+            assert resolved.is_relative_to(ROOT), f"{page.name} links outside the repository: {target}"
+            assert resolved.exists(), f"{page.name} links to {target}, which is not in the repository"
+        prose = re.sub(r"\]\([^)]*\)", "]", text)  # link targets were checked above
+        assert "../" not in prose, f"{page.name} names a path above the repository"
     for result in (ROOT / "benchmarks").iterdir():
         assert not re.search(r"\"/(tmp|work)/", result.read_text(errors="replace")), result.name
 
 
-def test_benchmarks_folder_holds_only_results_the_page_cites() -> None:
-    text = PAGE.read_text(encoding="utf-8")
+def test_benchmarks_folder_holds_only_results_the_pages_cite() -> None:
+    text = _text()
     uncited = [p.name for p in (ROOT / "benchmarks").iterdir() if f"benchmarks/{p.name}" not in text]
-    assert not uncited, f"cite these in BENCHMARKS.md or remove them: {uncited}"
+    assert not uncited, f"cite these in BENCHMARKS.md or benchmarks/history.md, or remove them: {uncited}"
+
+
+def test_the_results_page_links_its_history() -> None:
+    assert "](benchmarks/history.md)" in PAGE.read_text(encoding="utf-8")
