@@ -106,7 +106,7 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
         q4 = Int4Weight.from_float(w, group)
         codes = q4.codes().to(torch.int32)
         # torch's int4: w = (code - 8) * scale + zero, so zero = offset + 8 scale
-        sz = torch.stack([q4.scales, q4.offsets + 8 * q4.scales], dim=-1).transpose(0, 1).contiguous()
+        sz = torch.stack([q4.scales, q4.group_offsets() + 8 * q4.scales], dim=-1).transpose(0, 1).contiguous()
         packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
         nbytes = packed.numel() + sz.numel() * 4
         n = _copies(nbytes, min_mb)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from symmetric_int4 import symmetric_int4, with_offsets
 
 from kvpager.core.config import EngineConfig
 from kvpager.engine.loading import log_weight_format
@@ -54,6 +55,8 @@ FORMATS = {
     "w4a8_g32": lambda w: Int4DotWeight.from_float(w, 32),
     "w4a8_g64": lambda w: Int4DotWeight.from_float(w, 64),
     "w4a8_g128": lambda w: Int4DotWeight.from_float(w, 128),
+    "w4a8_g32_symmetric": lambda w: symmetric_int4(Int4DotWeight, w, 32),  # GGUF Q4_0: no offsets stored
+    "w4a8_g64_symmetric": lambda w: symmetric_int4(Int4DotWeight, w, 64),
 }
 
 
@@ -68,7 +71,8 @@ def _magnitude(weight: PackedWeight) -> torch.Tensor:
     """|w| per element as the kernel's float sums see it (int4: code * scale and offset apart)."""
     if isinstance(weight, Int4Weight):
         rep = lambda t: t.repeat_interleave(weight.group_size, dim=1)[:, : weight.in_features]  # noqa: E731
-        return (weight.codes().double() * rep(weight.scales).double()).abs() + rep(weight.offsets).double().abs()
+        offsets = rep(weight.group_offsets()).double().abs()
+        return (weight.codes().double() * rep(weight.scales).double()).abs() + offsets
     return weight.dequantize().double().abs()
 
 
@@ -117,7 +121,7 @@ def test_portable_avx2_and_vnni_integer_dot_paths_agree_bit_for_bit_bar_vnni_blo
             weight.max_level = LEVEL_PORTABLE
             portable = weight.dot_kernel(x)
             for level in levels:
-                if level == LEVEL_AVX512 and fmt in ("w8a8_g32", "w4a8_g32"):
+                if level == LEVEL_AVX512 and fmt in ("w8a8_g32", "w4a8_g32", "w4a8_g32_symmetric"):
                     continue  # VNNI pairs the blocks of group 32 (other rounding; held to the reference above)
                 weight.max_level = level
                 assert torch.equal(weight.dot_kernel(x), portable), (n, k, rows, level)
@@ -276,3 +280,19 @@ def test_the_integer_dot_path_follows_the_cpu_and_the_isa_switch_and_is_logged(
     monkeypatch.setenv("KVPAGER_KERNEL_ISA", "portable")
     assert kernels.dot_level(kernels.default_level) == LEVEL_PORTABLE
     assert kernels.describe_dot().startswith("portable C++ integer-dot kernel (scalar int32")
+
+
+def test_symmetric_int4_dot_gives_the_bits_of_its_stored_offset_form_on_every_path() -> None:
+    _kernels_or_skip()
+    kernels = load_quant_kernels()
+    gen = torch.Generator().manual_seed(12)
+    levels = [LEVEL_PORTABLE] + [lv for lv in (LEVEL_AVX2, LEVEL_AVX512) if kernels.dot_level(lv) == lv]
+    for group in (32, 64):
+        for n, k in SHAPES:
+            symmetric = symmetric_int4(Int4DotWeight, torch.randn(n, k, generator=gen), group)
+            stored = with_offsets(symmetric)
+            for level in levels:
+                symmetric.max_level = stored.max_level = level
+                for rows in (1, 3, 16):
+                    x = torch.randn(rows, k, generator=gen)
+                    assert torch.equal(symmetric.dot_kernel(x), stored.dot_kernel(x)), (group, n, k, level, rows)

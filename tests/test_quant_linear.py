@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from symmetric_int4 import symmetric_int4, with_offsets
 
 from kvpager.model.backends import quant_weights
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
@@ -41,6 +42,8 @@ FORMATS = {
     "int4_g32": lambda w: Int4Weight.from_float(w, 32),
     "int4_g64": lambda w: Int4Weight.from_float(w, 64),
     "int4_g128": lambda w: Int4Weight.from_float(w, 128),
+    "int4_g32_symmetric": lambda w: symmetric_int4(Int4Weight, w, 32),  # GGUF Q4_0: no offsets stored
+    "int4_g64_symmetric": lambda w: symmetric_int4(Int4Weight, w, 64),
 }
 
 
@@ -139,9 +142,39 @@ def test_gguf_q8_0_and_q4_0_blocks_map_exactly() -> None:
     d_full = d.float().repeat_interleave(32, 1)
     w8 = Int8Weight(q8, d.float(), 32)
     w4 = Int4Weight.from_codes(q4, d.float(), -8 * d.float(), 32)
+    w4_symmetric = Int4Weight.from_codes(q4, d.float(), None, 32)
     assert torch.equal(w8.dequantize(), q8.float() * d_full)
     assert torch.equal(w4.dequantize(), (q4.float() - 8) * d_full)
+    assert torch.equal(w4_symmetric.dequantize(), (q4.float() - 8) * d_full)
     assert torch.equal(w4.codes(), q4)
+
+
+@pytest.mark.parametrize("isa", list(LEVELS))
+def test_symmetric_int4_computes_the_bits_of_its_stored_offset_form_and_holds_four_bytes_less_a_group(
+    isa: str,
+) -> None:
+    _kernels_or_skip()
+    level = _level_or_skip(isa)
+    gen = torch.Generator().manual_seed(4)
+    for n, k in SHAPES:
+        symmetric = symmetric_int4(Int4Weight, torch.randn(n, k, generator=gen), 32)
+        stored = with_offsets(symmetric)
+        symmetric.max_level = stored.max_level = level
+        for rows in BATCHES:
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(symmetric.matmul(x, None), stored.matmul(x, None)), (n, k, rows)
+        groups = -(-k // 32)
+        assert stored.nbytes - symmetric.nbytes == n * groups * 4
+        assert len(symmetric.tensors()) == 2
+
+
+def test_row_concatenation_keeps_symmetric_parts_symmetric_and_mixes_by_their_offsets() -> None:
+    gen = torch.Generator().manual_seed(5)
+    a, b = (symmetric_int4(Int4Weight, torch.randn(r, 64, generator=gen), 32) for r in (8, 4))
+    assert cat_rows([a, b]).offsets is None
+    mixed = cat_rows([a, Int4Weight.from_float(torch.randn(4, 64, generator=gen), 32)])
+    assert mixed.offsets is not None
+    assert torch.equal(mixed.dequantize()[:8], a.dequantize())
 
 
 def test_row_concatenation_equals_quantizing_the_fused_tensor() -> None:

@@ -11,7 +11,7 @@ float32 scales (and offsets), on a CPU with the packed-weight kernels and withou
 | ggml type | executed as                    | resident bytes/weight | file bytes/weight |
 |-----------|--------------------------------|-----------------------|-------------------|
 | Q8_0      | int8 g32                       | 1 + 4/32 = 1.125      | 34/32 = 1.0625    |
-| Q4_0      | int4 g32 (scale + offset)      | 0.5 + 8/32 = 0.75     | 18/32 = 0.5625    |
+| Q4_0      | int4 g32, symmetric (scale)    | 0.5 + 4/32 = 0.625    | 18/32 = 0.5625    |
 | Q4_K      | int4 g32 (scale + offset)      | 0.75                  | 144/256 = 0.5625  |
 | Q5_K      | int8 g32 + per-group offset    | 1 + 8/32 = 1.25       | 176/256 = 0.6875  |
 | Q6_K      | int8 g16                       | 1 + 4/16 = 1.25       | 210/256 = 0.8203  |
@@ -78,7 +78,7 @@ class PackedForm:
 
 PACKED_FORMS = {
     "Q8_0": PackedForm("int8 g32", 32, 8, False),
-    "Q4_0": PackedForm("int4 g32", 32, 4, True),
+    "Q4_0": PackedForm("int4 g32 symmetric", 32, 4, False),
     "Q4_K": PackedForm("int4 g32", 32, 4, True),
     "Q5_K": PackedForm("int8 g32 + per-group offset", 32, 8, True),
     "Q6_K": PackedForm("int8 g16", 16, 8, False),

@@ -5,7 +5,8 @@ become the packed formats of kvpager.model.backends.quant_weights without requan
 matmul computes with exactly the values gguf-py's dequantizer gives:
 
 - Q8_0 -> Int8Weight group 32; Q6_K -> Int8Weight group 16 (codes q - 32, scale d*sc).
-- Q4_0, Q4_K -> Int4Weight group 32 (codes q, scale d or d*sc, offset -8d or -dmin*m).
+- Q4_0 -> Int4Weight group 32, symmetric (codes q, scale d; the offset -8d is not stored).
+- Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m).
 - Q5_K -> AffineInt8Weight group 32: Int8Weight over the 5-bit codes plus a per-group offset
   (-dmin*m), which the int8 kernels do not have; the offset term is offset[n, g] * sum of x over
   group g, one small matmul on the group sums.
@@ -45,7 +46,9 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
         int4 = Int4DotWeight if int8_activations else Int4Weight
-        return int4.from_codes(codes, scales, torch.from_numpy(np.ascontiguousarray(blocks.offsets)), blocks.group)
+        # Q4_0's offsets are -8 * d by construction (kvpager.gguf.blocks): the symmetric form holds none
+        offsets = None if type_name == "Q4_0" else torch.from_numpy(np.ascontiguousarray(blocks.offsets))
+        return int4.from_codes(codes, scales, offsets, blocks.group)
     int8 = Int8DotWeight if int8_activations else Int8Weight
     inner = int8(codes.to(torch.int8), scales, blocks.group)
     if blocks.offsets is None:

@@ -177,7 +177,12 @@ class Int4DotWeight(_DynamicActivations, Int4Weight):
     method = "w4a8_int8"
 
     def __init__(
-        self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, in_features: int
+        self,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor | None,
+        group_size: int,
+        in_features: int,
     ) -> None:
         check_dynamic_group(self.method, group_size, in_features)
         super().__init__(packed, scales, offsets, group_size, in_features)

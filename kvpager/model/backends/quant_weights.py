@@ -9,8 +9,9 @@ weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internal
   and group of `group_size` input features (per output channel: group_size = in_features).
   GGUF Q8_0 (blocks of 32 int8 with an fp16 scale) is `Int8Weight(qs, d.float(), 32)` exactly.
 - `Int4Weight`: asymmetric, w = code * scale + offset, code in [0, 15], float32 scale and offset per
-  output channel and group (group_size a multiple of 16). GGUF Q4_0 (w = (q - 8) * d) is
-  `Int4Weight.from_codes(q, d.float(), -8 * d.float(), 32)` exactly, Q4_1 (w = q * d + m) too.
+  output channel and group (group_size a multiple of 16); or symmetric (offsets None), w = (code - 8) *
+  scale, which holds no offsets. GGUF Q4_0 (w = (q - 8) * d) is `Int4Weight.from_codes(q, d.float(),
+  None, 32)` exactly, Q4_1 and Q4_K (w = q * d + m) the asymmetric form.
 
 `matmul`: on the CPU with the kernels (kernels/quant.cpp) up to KERNEL_MAX_ROWS input rows read the
 packed bytes directly (1-2 rows: dequantize in registers; more: an L1 tile dequantized once and used
@@ -253,13 +254,22 @@ class Int8Weight(PackedWeight):
         return self.qweight.data_ptr(), self.scales.data_ptr(), None
 
 
+SYMMETRIC_OFFSET = -8.0  # a symmetric group's offset per unit of its scale: codes 0..15 stand for -8..7
+
+
 class Int4Weight(PackedWeight):
-    """Asymmetric int4, group-wise along the input: w = code * scale + offset, two codes per byte."""
+    """int4, group-wise along the input, two codes per byte: w = code * scale + offset (asymmetric), or
+    w = (code - 8) * scale (symmetric: offsets None, none stored; the kernels take -8 * scale)."""
 
     fmt, method = FMT_INT4, "int4"
 
     def __init__(
-        self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, in_features: int
+        self,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor | None,
+        group_size: int,
+        in_features: int,
     ) -> None:
         super().__init__()
         out_features = packed.shape[0]
@@ -268,20 +278,18 @@ class Int4Weight(PackedWeight):
         if group_size % INT4_SPAN != 0:
             raise ValueError(f"int4 group size must be a multiple of {INT4_SPAN}, got {group_size}")
         _check_groups(packed, scales, group_size, in_features, "Int4Weight")
-        if offsets.shape != scales.shape:
+        if offsets is not None and offsets.shape != scales.shape:
             raise ValueError(f"Int4Weight: offsets {tuple(offsets.shape)} must match scales {tuple(scales.shape)}")
-        self.packed, self.scales, self.offsets = (
-            packed.contiguous(),
-            scales.float().contiguous(),
-            offsets.float().contiguous(),
-        )
+        self.packed, self.scales = packed.contiguous(), scales.float().contiguous()
+        self.offsets = None if offsets is None else offsets.float().contiguous()
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+        cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int
     ) -> Int4Weight:
-        """From unpacked codes [N, K] (integers 0..15, any integer dtype) and per-group scales/offsets."""
+        """From unpacked codes [N, K] (integers 0..15, any integer dtype) and per-group scales/offsets
+        (offsets None: symmetric)."""
         if codes.dim() != 2 or codes.dtype.is_floating_point:
             raise ValueError(f"Int4Weight.from_codes needs 2-D integer codes, got {codes.dtype} {tuple(codes.shape)}")
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
@@ -315,16 +323,25 @@ class Int4Weight(PackedWeight):
         spans = self.packed.view(self.out_features, -1, INT4_SPAN // 2)
         return torch.cat([spans & 0xF, spans >> 4], dim=-1).flatten(1)[:, : self.in_features]
 
+    @property
+    def symmetric(self) -> bool:
+        return self.offsets is None
+
+    def group_offsets(self) -> torch.Tensor:
+        """The per-group offsets [N, groups] float32, stored or (symmetric) -8 * scale."""
+        return self.scales * SYMMETRIC_OFFSET if self.offsets is None else self.offsets
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.scales, self.offsets)
+        return (self.packed, self.scales) if self.offsets is None else (self.packed, self.scales, self.offsets)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
-        offsets = self.offsets.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        offsets = self.group_offsets().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
         return (self.codes().float() * scales + offsets).to(dtype)
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
-        return self.packed.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr()
+        offsets = None if self.offsets is None else self.offsets.data_ptr()
+        return self.packed.data_ptr(), self.scales.data_ptr(), offsets
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -337,10 +354,12 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         return type(first)(torch.cat([p.qweight for p in i8]), torch.cat([p.scales for p in i8]), first.group_size)
     if isinstance(first, Int4Weight):
         i4 = [p for p in parts if isinstance(p, Int4Weight)]
+        # symmetric parts stay offset-free together; beside asymmetric ones they get their -8 * scale
+        offsets = None if all(p.symmetric for p in i4) else torch.cat([p.group_offsets() for p in i4])
         return type(first)(
             torch.cat([p.packed for p in i4]),
             torch.cat([p.scales for p in i4]),
-            torch.cat([p.offsets for p in i4]),
+            offsets,
             first.group_size,
             first.in_features,
         )

@@ -9,6 +9,7 @@
 //   kFmtInt4: w uint8 [N, row_bytes], row_bytes = ceil(K / 16) * 8; within every span of 16 weights
 //             byte j (0..7) holds weight j in its low nibble and weight j + 8 in its high nibble;
 //             w[n, k] = code * scales[n, g] + offsets[n, g], g = k / group      (asymmetric)
+//             offsets null: symmetric, offsets[n, g] = -8 * scales[n, g] (GGUF Q4_0), computed where read
 // Groups run along K; the last one may be short (K need not be a multiple of the group). int4 groups
 // are multiples of 16 so that a span never straddles two groups.
 //
@@ -49,8 +50,12 @@ struct Packed {
   int64_t fmt, N, K, group, num_groups, row_bytes;
   const void* w;
   const float* scales;
-  const float* offsets;
+  const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
 };
+
+// A symmetric int4 group's offset per unit of its scale: codes 0..15 stand for -8..7. Scaling by a power
+// of two is exact, so -8 * dot(scales, xs) equals dot(offsets, xs) bit for bit with offsets = -8 * scales.
+constexpr float kSymmetricOffset = -8.0f;
 
 // The stored value (code for int4, q for int8, the weight for bf16/f16) before scale/offset.
 inline float raw_at(const Packed& p, int64_t n, int64_t k) {

@@ -52,8 +52,11 @@ struct DotPacked {
   bool half_blocks;      // int8, group 16: two groups per block (GGUF Q6_K's scales)
   const void* w;
   const float* scales;
-  const float* offsets;
+  const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
 };
+
+// quant.cpp's: a symmetric int4 group's offset per unit of its scale (codes 0..15 stand for -8..7).
+constexpr float kSymmetricOffset = -8.0f;
 
 struct Act {
   const int8_t* q;  // [M, blocks * 32] (int4: each block in the order int4_natural inverts)
