@@ -17,8 +17,9 @@ from kvpager.cli.plan import main as plan_main
 from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
 from kvpager.gguf import open_gguf
+from kvpager.gguf.executed import PACKED_FORMS
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
-from kvpager.model.backends.quant_weights import Int8Weight
+from kvpager.model.backends.quant_weights import Int8Weight, PackedWeight
 
 
 @pytest.mark.parametrize(("budget", "block_size", "max_model_len"), [(1 << 20, 16, 256), (777_777, 5, 100)])
@@ -230,3 +231,38 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_for_gguf_files(
         assert f"{ggml_type} x{count} executed as {form}" in plan["weight_assumption"], line
     quantized = any(t.startswith("Q") for t in open_gguf(path).type_counts())
     assert bool(executed) == (quantized and quantization is None and quant_kernels_or_none() is not None)
+
+
+@pytest.mark.parametrize("kind", ["tied-Q4_0", "tied-Q8_0", "tiny-llama-Q4_0.gguf"])
+def test_with_int8_activations_a_tied_lm_head_copies_the_embedding_blocks_and_the_plan_counts_them(
+    gguf_file: Callable[[str], Path],
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+) -> None:
+    if quant_kernels_or_none() is None:  # pragma: no cover - every CI machine has g++
+        pytest.skip("no C++ compiler for the packed-weight kernels: GGUF blocks are dequantized")
+    path, budget = gguf_file(kind), 1 << 20
+    gguf = open_gguf(path)
+    tied = "output.weight" not in gguf.tensors
+    with caplog.at_level("INFO", logger="kvpager"):
+        engine = Engine(EngineConfig(model=str(path), kv_cache_memory=budget, gguf_int8_activations=True))
+    exact = Engine(EngineConfig(model=str(path), kv_cache_memory=budget))
+    flags = ["--kv-dtype", KV_FLAGS[engine.config.resolved_kv_cache_dtype]]
+    plan = plan_json(capsys, str(path), "--kv-cache-memory", str(budget), "--gguf-int8-activations", *flags)
+    assert plan["weight_bytes"] == engine.loaded.weight_bytes
+    assert plan["engine_num_blocks"] == engine.pool.num_blocks
+    copied = [m for m in caplog.messages if "copied for the tied lm_head" in m]
+    head = engine.loaded.model.lm_head.weight
+    if tied:
+        embedding = gguf.tensors["token_embd.weight"]
+        form = PACKED_FORMS[embedding.type_name]
+        assert engine.loaded.weight_bytes - exact.loaded.weight_bytes == form.num_bytes(*embedding.shape)
+        assert len(copied) == 1 and form.name in copied[0]
+        assert isinstance(head, PackedWeight)
+        # the copy holds the embedding's own values: rounded to the table's dtype, the lm_head is the table
+        table = engine.loaded.model.embed_tokens.weight
+        assert torch.equal(head.dequantize(torch.float32).to(table.dtype), table)
+    else:
+        assert engine.loaded.weight_bytes == exact.loaded.weight_bytes
+        assert not copied

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "an int8 copy beside the table); --no-quantize-lm-head counts it in --dtype",
     )
     p.add_argument(
+        "--gguf-int8-activations",
+        action="store_true",
+        help="as `kvpager serve`: a GGUF model with a tied lm_head then holds a packed copy of the embedding's "
+        "blocks for it, counted here",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -183,6 +189,7 @@ def _options(args: argparse.Namespace, device: Device | None) -> PlanOptions:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
+        gguf_int8_activations=args.gguf_int8_activations,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 

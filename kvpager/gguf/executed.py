@@ -18,6 +18,9 @@ float32 scales (and offsets), on a CPU with the packed-weight kernels and withou
 
 Q5_K's 5-bit and Q6_K's 6-bit codes sit in int8 because the kernels read 8- and 4-bit codes only.
 Every other tensor (the embedding, norms, biases; every tensor when not packed) is held as floats.
+With --gguf-int8-activations a model whose lm_head is tied to the embedding also holds a packed copy
+of the embedding's blocks for the lm_head (`tied_lm_head_form`): the lookup keeps its float table, and
+each decode step reads the file's form (Q6_K: 1.25 bytes a weight) instead of the float table (2).
 """
 
 from __future__ import annotations
@@ -100,6 +103,21 @@ def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:
 def is_linear_weight(name: str) -> bool:
     """A projection or the lm_head (checkpoint names): the weights that may run packed."""
     return name.endswith(LINEAR_SUFFIXES) or name == "lm_head.weight"
+
+
+# ggml types whose blocks the integer-dot kernels read (groups of 32; Q6_K's of 16, two per activation
+# block): --gguf-int8-activations
+INT8_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+
+def tied_lm_head_form(embedding_type: str, *, packed_kernels: bool, int8_activations: bool) -> PackedForm | None:
+    """The form of the packed lm_head copy a tied model holds beside its embedding table, or None (the
+    lm_head multiplies the float table): with --gguf-int8-activations, for an embedding of a type the
+    integer-dot kernels read. Without it the table stays the lm_head: the exact kernels read Q6_K's int8
+    group-16 form no faster than bf16."""
+    if not (packed_kernels and int8_activations) or embedding_type not in INT8_DOT_TYPES:
+        return None
+    return PACKED_FORMS[embedding_type]
 
 
 def packed_form(name: str, type_name: str, *, packed_kernels: bool) -> PackedForm | None:

@@ -25,12 +25,11 @@ import numpy as np
 import torch
 
 from kvpager.gguf.blocks import BlockCodes
+from kvpager.gguf.executed import INT8_DOT_TYPES
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
 
-# ggml types whose blocks the integer-dot kernels read (groups of 32; Q6_K's of 16, two per activation
-# block): --gguf-int8-activations
-INT8_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+__all__ = ["INT8_DOT_TYPES", "AffineInt8Weight", "packed_from_blocks"]
 
 
 def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: bool = False) -> PackedWeight:

@@ -26,15 +26,17 @@ from kvpager.gguf.blocks import BlockCodes, unpack_blocks
 from kvpager.gguf.config import ROPE_FREQS_TENSOR
 from kvpager.gguf.executed import (
     FLOAT_TYPES,
+    INT8_DOT_TYPES,
     LINEAR_SUFFIXES,
     SUPPORTED_TENSOR_TYPES,
     checkpoint_name,
     is_linear_weight,
     packed_form,
+    tied_lm_head_form,
 )
 from kvpager.gguf.reader import GGUFError, GGUFModel, GGUFTensor
 from kvpager.model.backends.quant_weights import PackedWeight
-from kvpager.model.gguf_packed import INT8_DOT_TYPES, packed_from_blocks
+from kvpager.model.gguf_packed import packed_from_blocks
 from kvpager.model.spec import ModelSpec
 
 # Tensors the config already consumed (the rope divisors become the spec's rope scaling).
@@ -117,6 +119,24 @@ class GGUFWeights:
         if packed_form(name, self._tensors[name].type_name, packed_kernels=self.native) is None:
             return None
         return lambda: self._packed(name)
+
+    def tied_lm_head(self) -> PackedWeight | None:
+        """A tied model's lm_head as a packed copy of the embedding's blocks (tied_lm_head_form), or None
+        (the lm_head multiplies the embedding table)."""
+        if not self.spec.tie_word_embeddings:
+            return None
+        tensor = self._tensors["embed_tokens.weight"]
+        form = tied_lm_head_form(tensor.type_name, packed_kernels=self.native, int8_activations=self.int8_activations)
+        if form is None:
+            return None
+        weight = packed_from_blocks(unpack_blocks(tensor.type_name, tensor.data, tensor.shape), tensor.type_name,
+                                    int8_activations=True)  # fmt: skip
+        if weight.nbytes != form.num_bytes(*tensor.shape):  # NOTE: the planner counts form.num_bytes
+            raise AssertionError(
+                f"tied lm_head: {tensor.type_name} packed into {weight.nbytes} bytes, not {form.name}'s"
+            )
+        self._count(tensor.type_name, f"copied for the tied lm_head, executed as {form.name} x int8 activations")
+        return weight
 
     def report_lines(self) -> list[str]:
         return [f"{kind}: {n} tensor(s) {how}" for (kind, how), n in sorted(self._counts.items())]

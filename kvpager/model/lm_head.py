@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, Int8DotWeight
+from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int8Weight, PackedWeight
 from kvpager.model.llama import CausalLM
 
@@ -30,11 +30,11 @@ def lm_head_format(model: CausalLM) -> str:
     """How the lm_head is stored and multiplied, for the start-up log."""
     weight = model.lm_head.weight
     tied = " (a copy of the tied embedding)" if model.spec.tie_word_embeddings else ""
-    if isinstance(weight, Int8DotWeight):
-        return f"int8 per output channel x int8 activations per block of 32{tied}"
-    if isinstance(weight, Int8Weight):
-        return f"int8 per output channel{tied}"
-    if isinstance(weight, PackedWeight):
-        return f"{weight.method} (packed)"  # a GGUF file's own output tensor
+    if isinstance(weight, Int8Weight) and weight.group_size == weight.in_features:
+        dot = " x int8 activations per block of 32" if isinstance(weight, Int8DotWeight) else ""
+        return f"int8 per output channel{dot}{tied}"
+    if isinstance(weight, PackedWeight):  # a GGUF file's own output tensor, or its tied embedding's blocks
+        dot = " x int8 activations per block of 32" if isinstance(weight, Int8DotWeight | Int4DotWeight) else ""
+        return f"{weight.method} g{weight.group_size} (packed){dot}{tied}"
     dtype = str(weight.dtype).removeprefix("torch.")
     return dtype + (" (tied to the embedding)" if tied else "")

@@ -8,7 +8,8 @@ in float32, and peak RSS stays near the final weights plus one tensor. With `qua
 projections of every layer are quantized part by part as they are read (quant_weights.py) and, unless
 `quantize_lm_head` is False, the lm_head is int8 per output channel in every mode (`lm_head_weight`; a
 tied embedding keeps its table in `dtype` and the lm_head gets its own int8 copy of it); the embedding,
-norms and biases stay in `dtype`. A GGUF file's lm_head keeps the form the file gives it.
+norms and biases stay in `dtype`. A GGUF file's lm_head keeps the form the file gives it (tied, with
+--gguf-int8-activations: a packed copy of the embedding's blocks, GGUFWeights.tied_lm_head).
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ def load_model(
         if head_method is not None and spec.tie_word_embeddings:
             # NOTE: tied: the lookup keeps the table in `dtype`; the lm_head multiplies an int8 copy of it
             packed["lm_head.weight"] = lm_head_weight(state["embed_tokens.weight"], head_method)
+        elif gguf is not None and (tied_head := gguf.tied_lm_head()) is not None:
+            packed["lm_head.weight"] = tied_head  # the embedding's own blocks (--gguf-int8-activations)
     finally:
         for f in files:
             f.close()

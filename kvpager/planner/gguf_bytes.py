@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvpager.gguf import GGUFModel
 from kvpager.gguf.config import ROPE_FREQS_TENSOR
-from kvpager.gguf.executed import checkpoint_name, packed_form
+from kvpager.gguf.executed import checkpoint_name, packed_form, tied_lm_head_form
 from kvpager.planner.weights import ENGINE_DTYPE_BYTES
 
 COMPUTE_BYTES = ENGINE_DTYPE_BYTES["float32"]  # norms and biases: the compute dtype of every CPU model
@@ -43,10 +43,13 @@ class GGUFResidentWeights:
         )
 
 
-def gguf_resident_weights(model: GGUFModel, dtype: str, *, packed_kernels: bool = True) -> GGUFResidentWeights:
+def gguf_resident_weights(
+    model: GGUFModel, dtype: str, *, packed_kernels: bool = True, int8_activations: bool = False
+) -> GGUFResidentWeights:
     """The bytes `kvpager serve --model FILE.gguf --dtype DTYPE` holds (no --quantization).
 
-    `packed_kernels` False: every tensor dequantized to floats (a CPU without the kernels' compiler)."""
+    `packed_kernels` False: every tensor dequantized to floats (a CPU without the kernels' compiler).
+    `int8_activations`: --gguf-int8-activations (a tied model then holds a packed lm_head copy too)."""
     if dtype not in ENGINE_DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPE_BYTES)}, got {dtype!r}")
     element = (dtype, ENGINE_DTYPE_BYTES[dtype])
@@ -72,6 +75,12 @@ def gguf_resident_weights(model: GGUFModel, dtype: str, *, packed_kernels: bool 
         entry = rows.setdefault((tensor.type_name, how), [0, 0])
         entry[0] += 1
         entry[1] += num_bytes
+    embedding = model.tensors.get("token_embd.weight")
+    if embedding is not None and "output.weight" not in model.tensors:  # tied (kvpager.gguf.config's rule)
+        head = tied_lm_head_form(embedding.type_name, packed_kernels=packed_kernels, int8_activations=int8_activations)
+        if head is not None:
+            how = f"copied for the tied lm_head, executed as {head.name} x int8 activations"
+            rows[embedding.type_name, how] = [1, head.num_bytes(embedding.shape[0], embedding.shape[1])]
     by_type = tuple((kind, how, n, b) for (kind, how), (n, b) in sorted(rows.items()))
     return GGUFResidentWeights(
         dtype,

@@ -48,6 +48,7 @@ class PlanOptions:
     quantization: str | None = None  # core.config.QUANTIZATIONS (int8 | int4 | w8a8_int8 | w4a8_int8)
     quantization_group_size: int | None = None
     quantize_lm_head: bool = True  # with quantization: the lm_head int8 per output channel (not for GGUF files)
+    gguf_int8_activations: bool = False  # GGUF: a tied lm_head's packed copy of the embedding's blocks
     tensor_parallel_size: int = 1  # engine_*: one rank's pool (its KV heads), as `serve --tensor-parallel-size`
 
     def __post_init__(self) -> None:
@@ -138,7 +139,8 @@ def resolve_weights(
         dtype = options.dtype if options is not None and options.dtype is not None else None
         if dtype is None:  # `kvpager serve`'s --dtype auto on the CPU
             dtype = resolve_dtype("auto", str(hf_config_from_gguf(gguf_model)["torch_dtype"]), "cpu")
-        resident = gguf_resident_weights(gguf_model, dtype)
+        int8_activations = options is not None and options.gguf_int8_activations
+        resident = gguf_resident_weights(gguf_model, dtype, int8_activations=int8_activations)
         bits = round(8 * resident.num_bytes / counts.total, 3) if counts.total else 0.0
         return WeightsAnswer("gguf", bits, resident.describe(), resident.num_bytes, resident.file_bytes)
     if options is not None and (options.dtype is not None or options.quantization is not None):
