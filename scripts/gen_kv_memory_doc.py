@@ -229,7 +229,7 @@ windowed `max_*` answers; MLA models are planned but not run by the engine.
 |---|---|
 | `num_parameters` | parameters recomputed from the config (tied embeddings once) |
 | `num_active_parameters` | parameters one token touches (MoE: top-k experts) |
-| `weight_bytes` | exact safetensors bytes for a directory; for a GGUF file the bytes kvpager holds when it runs it (quantized linear weights with float32 scales, the embedding dequantized: kvpager/gguf/executed.py); `--dtype`/`--quantization`: exact engine bytes; else parameters × effective bits (`weight_bits_per_weight`) |
+| `weight_bytes` | exact safetensors bytes for a directory; for a GGUF file the bytes kvpager holds when it runs it (quantized linear weights with their scales — Q8_0/Q4_0 float16 as in the file, the others float32 — the embedding dequantized: kvpager/gguf/executed.py); `--dtype`/`--quantization`: exact engine bytes; else parameters × effective bits (`weight_bits_per_weight`) |
 | `weight_file_bytes` | a GGUF file's own tensor bytes (null for other models) |
 | `kv_bytes_per_token` | KV bytes one token adds across all layers (before window caps) |
 | `kv_bytes_per_token_per_layer` | the same, per layer (list) |
@@ -349,7 +349,7 @@ kvpager 引擎和 `kvpager plan` 用同一个函数（`kvpager.core.sizing.pool_
 |---|---|
 | `num_parameters` | 由配置重新计算的参数量（共享词嵌入只计一次） |
 | `num_active_parameters` | 每个 token 实际用到的参数（MoE：top-k 专家） |
-| `weight_bytes` | 目录输入时为 safetensors 的精确字节数；GGUF 文件为 kvpager 运行它时实际占用的字节数（量化线性层权重配 float32 缩放，词嵌入反量化：kvpager/gguf/executed.py）；`--dtype`/`--quantization` 时为引擎的精确字节数；否则为参数量 × 有效位宽（`weight_bits_per_weight`） |
+| `weight_bytes` | 目录输入时为 safetensors 的精确字节数；GGUF 文件为 kvpager 运行它时实际占用的字节数（量化线性层权重配各自的缩放——Q8_0/Q4_0 与文件相同为 float16，其余为 float32——词嵌入反量化：kvpager/gguf/executed.py）；`--dtype`/`--quantization` 时为引擎的精确字节数；否则为参数量 × 有效位宽（`weight_bits_per_weight`） |
 | `weight_file_bytes` | GGUF 文件自身的张量字节数（其他模型为 null） |
 | `kv_bytes_per_token` | 一个 token 在所有层上增加的 KV 字节数（未计窗口上限） |
 | `kv_bytes_per_token_per_layer` | 同上，逐层（列表） |

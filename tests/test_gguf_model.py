@@ -199,7 +199,7 @@ def test_bfloat16_load_runs_q8_0_packed_and_the_rest_in_the_model_dtype(
     assert "Q8_0: 1 tensor(s) dequantized to bfloat16 at load (embedding)" in caplog.text
     assert "F32: 5 tensor(s) as float32" in caplog.text
     if quant_kernels_or_none() is not None:
-        assert "Q8_0: 15 tensor(s) executed as int8 g32 (exact, no requantization)" in caplog.text
+        assert "Q8_0: 15 tensor(s) executed as int8 g32, float16 scales (exact, no requantization)" in caplog.text
         assert {type(w).__name__ for w in packed_weights(model).values()} == {"Int8Weight"}
 
 

@@ -28,6 +28,7 @@ FORMATS = {
     "Q5_K": (AffineInt8Weight, 32),
     "Q6_K": (Int8Weight, 16),
 }
+HALF_SCALE_TYPES = ("Q8_0", "Q4_0")
 REL_TOL = 2e-6
 K = 512
 
@@ -66,6 +67,9 @@ def test_block_codes_decode_to_gguf_py_dequantize_bit_for_bit(type_name: str) ->
     cls, group = FORMATS[type_name]
     assert type(packed) is cls and packed.group_size == group
     assert torch.equal(packed.dequantize(), ref)  # the packed weight holds exactly these values
+    if type_name in HALF_SCALE_TYPES:  # the file's float16 scales kept: the file's bytes per weight
+        assert isinstance(packed, Int8Weight | Int4Weight) and packed.scales.dtype == torch.float16
+        assert packed.nbytes == raw.nbytes
 
 
 @pytest.mark.skipif(quant_kernels_or_none() is None, reason="the packed-weight C++ kernels do not build here")

@@ -5,13 +5,15 @@ One definition for both sides: the loader (kvpager/model/gguf_weights.py) packs 
 `PackedForm.num_bytes`; the planner (`kvpager plan FILE.gguf`) sums the same numbers.
 
 llama.cpp's tensor names map to transformers' (`checkpoint_name`, without "model."). A linear weight
-(a projection or an untied lm_head) of a type in PACKED_FORMS runs from its blocks' own codes, with
-float32 scales (and offsets), on a CPU with the packed-weight kernels and without --quantization:
+(a projection or an untied lm_head) of a type in PACKED_FORMS runs from its blocks' own codes and
+scales (and offsets), on a CPU with the packed-weight kernels and without --quantization. Q8_0 and
+Q4_0 keep the file's float16 scales (exact, and fewer bytes to read per token); the other types' scales
+are products (d * sub-block scale), held as float32, as are all offsets:
 
 | ggml type | executed as                    | resident bytes/weight | file bytes/weight |
 |-----------|--------------------------------|-----------------------|-------------------|
-| Q8_0      | int8 g32                       | 1 + 4/32 = 1.125      | 34/32 = 1.0625    |
-| Q4_0      | int4 g32, symmetric (scale)    | 0.5 + 4/32 = 0.625    | 18/32 = 0.5625    |
+| Q8_0      | int8 g32, float16 scales       | 1 + 2/32 = 1.0625     | 34/32 = 1.0625    |
+| Q4_0      | int4 g32 symmetric, f16 scales | 0.5 + 2/32 = 0.5625   | 18/32 = 0.5625    |
 | Q4_K      | int4 g32 (scale + offset)      | 0.75                  | 144/256 = 0.5625  |
 | Q5_K      | int8 g32 + per-group offset    | 1 + 8/32 = 1.25       | 176/256 = 0.6875  |
 | Q6_K      | int8 g16                       | 1 + 4/16 = 1.25       | 210/256 = 0.8203  |
@@ -35,6 +37,7 @@ QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TENSOR_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
 INT4_SPAN = 16  # int4 codes per 8-byte span (kvpager.model.backends.quant_weights.INT4_SPAN)
 SCALE_BYTES = 4  # float32 scales and offsets
+HALF_SCALE_BYTES = 2  # float16 scales (Q8_0, Q4_0: the file's own)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -71,17 +74,19 @@ class PackedForm:
     group: int  # weights per scale (and offset), along a row
     code_bits: int  # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN
     offsets: bool  # a float32 offset per group beside the scale
+    half_scales: bool = False  # float16 scales (the file's); otherwise float32
 
     def num_bytes(self, rows: int, cols: int) -> int:
         """Bytes the packed weight of a [rows, cols] tensor holds (codes, scales, offsets)."""
         groups = -(-cols // self.group)
         codes = cols if self.code_bits == 8 else -(-cols // INT4_SPAN) * (INT4_SPAN // 2)
-        return rows * (codes + groups * SCALE_BYTES * (2 if self.offsets else 1))
+        scale = HALF_SCALE_BYTES if self.half_scales else SCALE_BYTES
+        return rows * (codes + groups * (scale + (SCALE_BYTES if self.offsets else 0)))
 
 
 PACKED_FORMS = {
-    "Q8_0": PackedForm("int8 g32", 32, 8, False),
-    "Q4_0": PackedForm("int4 g32 symmetric", 32, 4, False),
+    "Q8_0": PackedForm("int8 g32, float16 scales", 32, 8, False, half_scales=True),
+    "Q4_0": PackedForm("int4 g32 symmetric, float16 scales", 32, 4, False, half_scales=True),
     "Q4_K": PackedForm("int4 g32", 32, 4, True),
     "Q5_K": PackedForm("int8 g32 + per-group offset", 32, 8, True),
     "Q6_K": PackedForm("int8 g16", 16, 8, False),

@@ -4,8 +4,10 @@ kvpager.gguf.blocks turns a tensor's blocks into codes with per-group scales (an
 become the packed formats of kvpager.model.backends.quant_weights without requantization, so the
 matmul computes with exactly the values gguf-py's dequantizer gives:
 
-- Q8_0 -> Int8Weight group 32; Q6_K -> Int8Weight group 16 (codes q - 32, scale d*sc).
-- Q4_0 -> Int4Weight group 32, symmetric (codes q, scale d; the offset -8d is not stored).
+- Q8_0 -> Int8Weight group 32, the file's float16 scales; Q6_K -> Int8Weight group 16 (codes q - 32,
+  scale d*sc, float32).
+- Q4_0 -> Int4Weight group 32, symmetric (codes q, the file's float16 scale d; the offset -8d is not
+  stored).
 - Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m).
 - Q5_K -> AffineInt8Weight group 32: Int8Weight over the 5-bit codes plus a per-group offset
   (-dmin*m), which the int8 kernels do not have; the offset term is offset[n, g] * sum of x over
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from kvpager.gguf.blocks import BlockCodes
-from kvpager.gguf.executed import INT8_DOT_TYPES
+from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
 
@@ -42,6 +44,9 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
         raise ValueError(f"{type_name} has no int8-activation form (only {', '.join(INT8_DOT_TYPES)})")
     codes = torch.from_numpy(np.ascontiguousarray(blocks.codes))
     scales = torch.from_numpy(np.ascontiguousarray(blocks.scales))
+    form = PACKED_FORMS.get(type_name)
+    if form is not None and form.half_scales:  # float16 in the file: the float32 values narrow back exactly
+        scales = scales.to(torch.float16)
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
         int4 = Int4DotWeight if int8_activations else Int4Weight

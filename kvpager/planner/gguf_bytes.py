@@ -1,7 +1,8 @@
 """A GGUF model's weight bytes twice: as the file stores them, and as kvpager holds them when it runs.
 
-The two differ: kvpager executes quantized linear weights from their blocks' own codes but with
-float32 scales (Q5_K and Q6_K codes in int8), and dequantizes the embedding to the model dtype
+The two differ: kvpager executes quantized linear weights from their blocks' own codes, with the
+file's float16 scales for Q8_0 / Q4_0 and float32 scales (and offsets) for the K-quants (Q5_K and Q6_K
+codes in int8), and dequantizes the embedding to the model dtype
 (kvpager.gguf.executed has the table). Which tensor runs in which form is decided by
 `kvpager.gguf.executed.packed_form`, the function the loader packs by; floats follow the engine's
 CPU precision rule (docs/precision.md, as `engine_weight_bytes`): matrices (embedding, float linear

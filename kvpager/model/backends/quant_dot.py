@@ -152,7 +152,7 @@ class _DynamicActivations(PackedWeight):
         b = bias.float().contiguous() if bias is not None else None  # NOTE: held while the kernel reads it
         w, scales, offsets = self._pointers()
         rc = kernels.dot_linear(
-            self.fmt, xf.data_ptr(), rows, self.in_features, w, scales, offsets, self.out_features,
+            self.kernel_fmt(), xf.data_ptr(), rows, self.in_features, w, scales, offsets, self.out_features,
             self.group_size, b.data_ptr() if b is not None else None, out.data_ptr(), torch.get_num_threads(),
             self._level(kernels),
         )  # fmt: skip

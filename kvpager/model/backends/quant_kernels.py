@@ -34,6 +34,7 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 # activations quantized per block of 32 (w8a8_int8 / w4a8_int8)
 SOURCES = (KERNEL_DIR / "quant.cpp", KERNEL_DIR / "quant_dot.cpp")
 INCLUDES = (
+    KERNEL_DIR / "half_bits.h",
     KERNEL_DIR / "quant_simd.h",
     KERNEL_DIR / "quant_body.inc",
     KERNEL_DIR / "quant_dot_simd.h",
@@ -46,6 +47,7 @@ FLAGS = (
 )  # fmt: skip
 FMT_BF16, FMT_INT8, FMT_INT4 = 0, 1, 2
 FMT_F16 = 3  # IEEE float16 weights (kFmtF16 in quant.cpp)
+FMT_HALF_SCALES = 256  # or'ed into an int8 / int4 format: its scales are IEEE float16 (kHalfScales)
 LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512 = 0, 1, 2
 LEVEL_NAMES = {LEVEL_AVX512: "AVX-512", LEVEL_AVX2: "AVX2+FMA", LEVEL_PORTABLE: "portable C++"}
 

@@ -5,13 +5,17 @@ weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internal
 
 - `Bf16Weight`, `F16Weight` (`HalfWeight`s): the bfloat16 / float16 tensor itself (no copy), read by
   the kernel (widened in registers). `DenseWeight`, their base: any float tensor, multiplied in torch.
-- `Int8Weight`: symmetric, w = q * scale, q in [-127, 127] int8, one float32 scale per output channel
-  and group of `group_size` input features (per output channel: group_size = in_features).
-  GGUF Q8_0 (blocks of 32 int8 with an fp16 scale) is `Int8Weight(qs, d.float(), 32)` exactly.
-- `Int4Weight`: asymmetric, w = code * scale + offset, code in [0, 15], float32 scale and offset per
+- `Int8Weight`: symmetric, w = q * scale, q in [-127, 127] int8, one scale per output channel and group
+  of `group_size` input features (per output channel: group_size = in_features).
+  GGUF Q8_0 (blocks of 32 int8 with an fp16 scale) is `Int8Weight(qs, d, 32)` exactly, d float16.
+- `Int4Weight`: asymmetric, w = code * scale + offset, code in [0, 15], a scale and a float32 offset per
   output channel and group (group_size a multiple of 16); or symmetric (offsets None), w = (code - 8) *
-  scale, which holds no offsets. GGUF Q4_0 (w = (q - 8) * d) is `Int4Weight.from_codes(q, d.float(),
-  None, 32)` exactly, Q4_1 and Q4_K (w = q * d + m) the asymmetric form.
+  scale, which holds no offsets. GGUF Q4_0 (w = (q - 8) * d) is `Int4Weight.from_codes(q, d, None, 32)`
+  exactly, d float16; Q4_1 and Q4_K (w = q * d + m) the asymmetric form.
+
+Scales are float32, or float16 when given as float16 (GGUF Q8_0 / Q4_0 hold the file's float16 scales,
+which widen to float32 exactly: the same values in fewer bytes, so fewer bytes read per token); the
+kernels take the format with FMT_HALF_SCALES set. Round-to-nearest quantization at load gives float32.
 
 `matmul`: on the CPU with the kernels (kernels/quant.cpp) up to KERNEL_MAX_ROWS input rows read the
 packed bytes directly (1-2 rows: dequantize in registers; more: an L1 tile dequantized once and used
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from kvpager.model.backends.quant_kernels import (
     FMT_BF16,
     FMT_F16,
+    FMT_HALF_SCALES,
     FMT_INT4,
     FMT_INT8,
     QuantKernels,
@@ -101,7 +106,7 @@ class PackedWeight:
             b = bias.float().contiguous() if bias is not None else None  # NOTE: held while the kernel reads it
             w, scales, offsets = self._pointers()
             kernels.linear(
-                self.fmt,
+                self.kernel_fmt(),
                 xf.data_ptr(),
                 rows,
                 self.in_features,
@@ -117,6 +122,10 @@ class PackedWeight:
             )
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def kernel_fmt(self) -> int:
+        """The format value the kernels take for this weight (quant_kernels.FMT_*)."""
+        return self.fmt
+
     def _level(self, kernels: QuantKernels) -> int:
         return kernels.default_level if self.max_level is None else self.max_level
 
@@ -131,7 +140,7 @@ class PackedWeight:
             n1 = min(self.out_features, n0 + chunk)
             buf = scratch[: n1 - n0]
             kernels.dequant(
-                self.fmt, w, scales, offsets, self.out_features, self.in_features, self.group_size,
+                self.kernel_fmt(), w, scales, offsets, self.out_features, self.in_features, self.group_size,
                 n0, n1, buf.data_ptr(), torch.get_num_threads(), self._level(kernels),
             )  # fmt: skip
             out[:, n0:n1] = F.linear(xf, buf)
@@ -209,7 +218,21 @@ class F16Weight(HalfWeight):
 HALF_WEIGHTS: dict[torch.dtype, type[HalfWeight]] = {torch.bfloat16: Bf16Weight, torch.float16: F16Weight}
 
 
-class Int8Weight(PackedWeight):
+class _ScaledWeight(PackedWeight):
+    """A quantized weight with per-group scales, float32 or float16 (see the module docstring)."""
+
+    scales: torch.Tensor
+
+    def kernel_fmt(self) -> int:
+        return self.fmt | FMT_HALF_SCALES if self.scales.dtype == torch.float16 else self.fmt
+
+
+def _stored_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scales as held: float16 kept (GGUF's own, exact), any other dtype as float32."""
+    return (scales if scales.dtype == torch.float16 else scales.float()).contiguous()
+
+
+class Int8Weight(_ScaledWeight):
     """Symmetric int8, group-wise along the input (group_size = in_features: per output channel)."""
 
     fmt, method = FMT_INT8, "int8"
@@ -220,7 +243,7 @@ class Int8Weight(PackedWeight):
         _check_groups(qweight, scales, group_size, in_features, "Int8Weight")
         if qweight.dtype != torch.int8:
             raise ValueError(f"Int8Weight needs int8 values, got {qweight.dtype}")
-        self.qweight, self.scales = qweight.contiguous(), scales.float().contiguous()
+        self.qweight, self.scales = qweight.contiguous(), _stored_scales(scales)
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
 
     @classmethod
@@ -247,7 +270,7 @@ class Int8Weight(PackedWeight):
         return (self.qweight, self.scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
         return (self.qweight.float() * scales).to(dtype)
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
@@ -257,7 +280,7 @@ class Int8Weight(PackedWeight):
 SYMMETRIC_OFFSET = -8.0  # a symmetric group's offset per unit of its scale: codes 0..15 stand for -8..7
 
 
-class Int4Weight(PackedWeight):
+class Int4Weight(_ScaledWeight):
     """int4, group-wise along the input, two codes per byte: w = code * scale + offset (asymmetric), or
     w = (code - 8) * scale (symmetric: offsets None, none stored; the kernels take -8 * scale)."""
 
@@ -280,7 +303,7 @@ class Int4Weight(PackedWeight):
         _check_groups(packed, scales, group_size, in_features, "Int4Weight")
         if offsets is not None and offsets.shape != scales.shape:
             raise ValueError(f"Int4Weight: offsets {tuple(offsets.shape)} must match scales {tuple(scales.shape)}")
-        self.packed, self.scales = packed.contiguous(), scales.float().contiguous()
+        self.packed, self.scales = packed.contiguous(), _stored_scales(scales)
         self.offsets = None if offsets is None else offsets.float().contiguous()
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
 
@@ -329,13 +352,13 @@ class Int4Weight(PackedWeight):
 
     def group_offsets(self) -> torch.Tensor:
         """The per-group offsets [N, groups] float32, stored or (symmetric) -8 * scale."""
-        return self.scales * SYMMETRIC_OFFSET if self.offsets is None else self.offsets
+        return self.scales.float() * SYMMETRIC_OFFSET if self.offsets is None else self.offsets
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scales) if self.offsets is None else (self.packed, self.scales, self.offsets)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
         offsets = self.group_offsets().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
         return (self.codes().float() * scales + offsets).to(dtype)
 
@@ -351,19 +374,26 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         return first
     if isinstance(first, Int8Weight):  # NOTE: type(first): a subclass (quant_dot.py's) stays itself
         i8 = [p for p in parts if isinstance(p, Int8Weight)]
-        return type(first)(torch.cat([p.qweight for p in i8]), torch.cat([p.scales for p in i8]), first.group_size)
+        return type(first)(torch.cat([p.qweight for p in i8]), _cat_scales(i8), first.group_size)
     if isinstance(first, Int4Weight):
         i4 = [p for p in parts if isinstance(p, Int4Weight)]
         # symmetric parts stay offset-free together; beside asymmetric ones they get their -8 * scale
         offsets = None if all(p.symmetric for p in i4) else torch.cat([p.group_offsets() for p in i4])
         return type(first)(
             torch.cat([p.packed for p in i4]),
-            torch.cat([p.scales for p in i4]),
+            _cat_scales(i4),
             offsets,
             first.group_size,
             first.in_features,
         )
     raise TypeError(f"cannot concatenate {type(first).__name__}")
+
+
+def _cat_scales(parts: list[Int8Weight] | list[Int4Weight]) -> torch.Tensor:
+    """The parts' scales stacked: float16 where every part's is, else float32."""
+    if all(p.scales.dtype == torch.float16 for p in parts):
+        return torch.cat([p.scales for p in parts])
+    return torch.cat([p.scales.float() for p in parts])
 
 
 def quantize(weight: torch.Tensor, method: str, group_size: int | None) -> PackedWeight:

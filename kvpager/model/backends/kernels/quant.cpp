@@ -10,6 +10,8 @@
 //             byte j (0..7) holds weight j in its low nibble and weight j + 8 in its high nibble;
 //             w[n, k] = code * scales[n, g] + offsets[n, g], g = k / group      (asymmetric)
 //             offsets null: symmetric, offsets[n, g] = -8 * scales[n, g] (GGUF Q4_0), computed where read
+// Scales are float32, or IEEE float16 where the format value has kHalfScales set (GGUF Q8_0 / Q4_0: the
+// file's float16 scales, widened exactly where read; offsets stay float32).
 // Groups run along K; the last one may be short (K need not be a multiple of the group). int4 groups
 // are multiples of 16 so that a span never straddles two groups.
 //
@@ -49,9 +51,13 @@ constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1, kLevelAvx512 = 2;
 struct Packed {
   int64_t fmt, N, K, group, num_groups, row_bytes;
   const void* w;
-  const float* scales;
+  const void* scales;    // float32, or IEEE float16 when half_scales
+  bool half_scales;
   const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
 };
+
+// A format value with this bit set: the scales are IEEE float16 (quant_weights.FMT_HALF_SCALES).
+constexpr int64_t kHalfScales = 256;
 
 // A symmetric int4 group's offset per unit of its scale: codes 0..15 stand for -8..7. Scaling by a power
 // of two is exact, so -8 * dot(scales, xs) equals dot(offsets, xs) bit for bit with offsets = -8 * scales.
@@ -103,9 +109,11 @@ int64_t cpu_level() { return kLevelPortable; }
 
 int64_t level_for(int64_t max_level) { return std::min(std::max<int64_t>(max_level, 0), cpu_level()); }
 
-Packed make_packed(int64_t fmt, const void* w, const float* scales, const float* offsets, int64_t N, int64_t K,
+Packed make_packed(int64_t fmt, const void* w, const void* scales, const float* offsets, int64_t N, int64_t K,
                    int64_t group) {
   Packed p{};
+  p.half_scales = (fmt & kHalfScales) != 0;
+  fmt &= ~kHalfScales;
   p.fmt = fmt;
   p.N = N;
   p.K = K;
@@ -127,7 +135,7 @@ int64_t kvq_level(int64_t max_level) { return level_for(max_level); }
 
 // y [M, N] = x [M, K] @ dequant(w).T (+ bias [N] when not null), through the best path up to max_level.
 // num_threads: OpenMP threads to use (small weights run on one).
-void kvq_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const float* scales,
+void kvq_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
                 const float* offsets, int64_t N, int64_t group, const float* bias, float* y, int64_t num_threads,
                 int64_t max_level) {
   if (M <= 0 || N <= 0) return;
@@ -137,7 +145,7 @@ void kvq_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w
   std::vector<float> xpad(static_cast<size_t>(M * ldx), 0.0f);
   for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * ldx, x + m * K, sizeof(float) * K);
   std::vector<float> xs;  // int4: the group sums of x, xs[m * num_groups + g]
-  if (fmt == kFmtInt4) {
+  if (p.fmt == kFmtInt4) {
     xs.assign(static_cast<size_t>(M * p.num_groups), 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < p.num_groups; ++g) {
@@ -157,7 +165,7 @@ void kvq_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w
 }
 
 // out [n1 - n0, K] float32 = the dequantized weight rows n0..n1 (for a GEMM on large batches).
-void kvq_dequant(int64_t fmt, const void* w, const float* scales, const float* offsets, int64_t N, int64_t K,
+void kvq_dequant(int64_t fmt, const void* w, const void* scales, const float* offsets, int64_t N, int64_t K,
                  int64_t group, int64_t n0, int64_t n1, float* out, int64_t num_threads, int64_t max_level) {
   const Packed p = make_packed(fmt, w, scales, offsets, N, K, group);
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));

@@ -30,9 +30,9 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define KVQ_X86 1
-#define KVQ_PUSH_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define KVQ_PUSH_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
 #define KVQ_PUSH_VNNI \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni\")")
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni\")")
 #define KVQ_POP _Pragma("GCC pop_options")
 #endif
 
@@ -51,9 +51,19 @@ struct DotPacked {
   int64_t group_blocks;  // blocks per group
   bool half_blocks;      // int8, group 16: two groups per block (GGUF Q6_K's scales)
   const void* w;
-  const float* scales;
+  const void* scales;    // float32, or IEEE float16 when half_scales (the kernels' SC: float / uint16_t)
+  bool half_scales;
   const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
 };
+
+// quant.cpp's: a format value with this bit set says the scales are IEEE float16 (GGUF Q8_0 / Q4_0).
+constexpr int64_t kHalfScales = 256;
+
+// Row n's scales in the stored type SC.
+template <class SC>
+inline const SC* scale_row(const DotPacked& p, int64_t n) {
+  return static_cast<const SC*>(p.scales) + n * p.num_groups;
+}
 
 // quant.cpp's: a symmetric int4 group's offset per unit of its scale (codes 0..15 stand for -8..7).
 constexpr float kSymmetricOffset = -8.0f;
@@ -87,7 +97,8 @@ KVQ_POP
 
 int64_t cpu_level() {
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return kLevelPortable;
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+    return kLevelPortable;
   const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   return vnni ? kLevelVnni : kLevelAvx2;
@@ -106,11 +117,14 @@ extern "C" {
 int64_t kvq_dot_level(int64_t max_level) { return dot_level_for(max_level); }
 
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
+// fmt | kHalfScales: `scales` holds IEEE float16.
 // Returns 0, or -1 when the group size is neither a multiple of 32 nor K (nothing is written then).
-int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const float* scales,
+int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
                        const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                        int64_t num_threads, int64_t max_level) {
   constexpr int64_t B = kvqd_simd::kBlock;
+  const bool half_scales = (fmt & kHalfScales) != 0;
+  fmt &= ~kHalfScales;
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
   if (M <= 0 || N <= 0) return 0;
@@ -127,6 +141,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   p.half_blocks = half;
   p.w = w;
   p.scales = scales;
+  p.half_scales = half_scales;
   p.offsets = offsets;
   const bool int4 = fmt == kFmtInt4;
   const int64_t level = dot_level_for(max_level);

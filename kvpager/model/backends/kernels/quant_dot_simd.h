@@ -12,6 +12,10 @@
 // Every struct builds the lanes, scales them (a fused multiply-add: rounded once) and sums them in the
 // same order, so the portable, AVX2 and VNNI paths agree bit for bit.
 //
+// A weight's scales are float32 or IEEE float16 (SC: float / uint16_t; GGUF Q8_0 / Q4_0 keep the
+// file's float16, which widens exactly): scale(), spread2() and offset_dot() take either, so the
+// kernels give the same bits for both when the float32 scales hold the float16 values.
+//
 // int4 blocks are the 16 bytes of two 8-byte spans (quant.cpp's layout): low nibbles = weights
 // 0..7 and 16..23, high nibbles = 8..15 and 24..31. The activation block is stored in that order
 // ([0..7, 16..23, 8..15, 24..31], int4_natural), so the nibbles need no shuffle.
@@ -22,6 +26,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "half_bits.h"
 
 namespace kvqd_simd {
 
@@ -95,13 +101,16 @@ struct Portable {
   static V dot_i8(const W& w, X x) { return dot(w, x); }
   // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
   // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
-  static float offset_dot(const float* o, const float* xs, int64_t groups) {
+  static float scale(float s) { return s; }
+  static float scale(uint16_t h) { return kvq_simd::f16_bits_to_float(h); }
+  template <class SC>
+  static float offset_dot(const SC* o, const float* xs, int64_t groups) {
     V acc{};
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8)
-      for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(o[g + l], xs[g + l], acc.v[l]);
+      for (int l = 0; l < 8; ++l) acc.v[l] = std::fma(scale(o[g + l]), xs[g + l], acc.v[l]);
     float t = hsum(acc);
-    for (; g < groups; ++g) t = std::fma(o[g], xs[g], t);
+    for (; g < groups; ++g) t = std::fma(scale(o[g]), xs[g], t);
     return t;
   }
   static V4 dot_i4(const W4& w, X4 x) {
@@ -127,9 +136,10 @@ struct Portable {
     for (int l = 0; l < 4; ++l) r.v[l] = a.v[l], r.v[4 + l] = b.v[l];
     return r;
   }
-  static V spread2(const float* f) {  // f[0] in lanes 0..3, f[1] in 4..7
+  template <class SC>
+  static V spread2(const SC* f) {  // f[0] in lanes 0..3, f[1] in 4..7
     V r;
-    for (int l = 0; l < 8; ++l) r.v[l] = f[l / 4];
+    for (int l = 0; l < 8; ++l) r.v[l] = scale(f[l / 4]);
     return r;
   }
   static V mul(V a, V b) {
@@ -210,12 +220,19 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
   }
-  static float offset_dot(const float* o, const float* xs, int64_t groups) {
+  static float scale(float s) { return s; }
+  static float scale(uint16_t h) { return _cvtsh_ss(h); }
+  static __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
+  static __m256 load8(const uint16_t* s) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  template <class SC>
+  static float offset_dot(const SC* o, const float* xs, int64_t groups) {
     __m256 acc = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xs + g), acc);
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(load8(o + g), _mm256_loadu_ps(xs + g), acc);
     float t = hsum(acc);
-    for (; g < groups; ++g) t = std::fma(o[g], xs[g], t);
+    for (; g < groups; ++g) t = std::fma(scale(o[g]), xs[g], t);
     return t;
   }
   static V pairs(__m256i p16) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))); }
@@ -251,6 +268,12 @@ struct Avx2 {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
   }
   static V spread2(const float* f) { return _mm256_set_m128(_mm_set1_ps(f[1]), _mm_set1_ps(f[0])); }
+  static V spread2(const uint16_t* f) {  // the two float16 widened, then spread as the float32 form
+    int32_t two;
+    std::memcpy(&two, f, sizeof two);
+    const __m128 s = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
   static V madd_low(V acc, V4 a, float d, float s) {
@@ -341,11 +364,18 @@ struct Vnni : Avx2 {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
   }
   // The two floats at f (block b's and b + 1's) spread over the lanes of their blocks.
-  static __m512 spread_i8(const float* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)); }
-  static __m512 spread_i4(const float* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)); }
+  template <class SC>
+  static __m512 spread_i8(const SC* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)); }
+  template <class SC>
+  static __m512 spread_i4(const SC* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)); }
   static __m512 spread(const float* f, __m512i idx) {
     const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+  }
+  static __m512 spread(const uint16_t* f, __m512i idx) {
+    int32_t two;
+    std::memcpy(&two, f, sizeof two);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two))));
   }
   // One block's products as 8 float lanes (int4: the low-nibble half in lanes 0..3, the high in 4..7).
   static V dot8(const W& w, const int8_t* q) { return dot_i8(w, load_x(q)); }

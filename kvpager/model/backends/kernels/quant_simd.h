@@ -8,6 +8,7 @@
 //   f16(p, w):  16 IEEE float16 bit patterns -> float32, exactly (F16C's vcvtph2ps; Portable: by the
 //               bit layout, subnormals, infinities and NaN included)
 //   i8(p, w):   16 int8 -> float32
+//   h2f(h), load_h(p): float16 scales (GGUF Q8_0 / Q4_0 weights) widened, one / W at a time
 //   i4(span, w): one 8-byte int4 span (byte j: weight j in the low nibble, weight j + 8 in the high)
 // Avx2 and Avx512 are compiled under `#pragma GCC target` (KVQ_PUSH_*, quant.cpp), so the library
 // needs no -march flag and runs on any x86-64 CPU; Portable uses GCC vector extensions (the baseline
@@ -18,35 +19,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half_bits.h"
+
 namespace kvq_simd {
-
-inline float bf16_bits_to_float(uint16_t v) {
-  const uint32_t b = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-
-// float16 bits -> float32, exact, from the bit layout (no F16C needed): sign, 5-bit exponent (bias 15),
-// 10-bit mantissa; subnormals normalised, infinities and NaN kept.
-inline float f16_bits_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {
-    exp = 113u;  // 2^-14 as a float32 exponent (127 - 14), lowered while the mantissa is normalised
-    while ((man & 0x400u) == 0) man <<= 1, --exp;
-    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 struct Portable {
   static constexpr int W = 8, U = 2, NT1 = 4, NT2 = 2, MR = 4;
@@ -58,6 +33,12 @@ struct Portable {
     return v;
   }
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+  static float h2f(uint16_t h) { return f16_bits_to_float(h); }  // a float16 scale (GGUF Q8_0 / Q4_0)
+  static V load_h(const uint16_t* p) {  // W float16 scales widened
+    V v;
+    for (int i = 0; i < W; ++i) v[i] = f16_bits_to_float(p[i]);
+    return v;
+  }
   static V set1(float f) { return V{} + f; }
   static V add(V a, V b) { return a + b; }
   static V mul(V a, V b) { return a * b; }
@@ -98,6 +79,8 @@ struct Avx2 {
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static V load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static V set1(float f) { return _mm256_set1_ps(f); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -143,6 +126,8 @@ struct Avx512 {
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static V load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V set1(float f) { return _mm512_set1_ps(f); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
