@@ -99,10 +99,10 @@ struct Portable {
     return r;
   }
   static V dot_i8(const W& w, X x) { return dot(w, x); }
-  // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
-  // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
   static float scale(float s) { return s; }
   static float scale(uint16_t h) { return kvq_simd::f16_bits_to_float(h); }
+  // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
+  // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
   template <class SC>
   static float offset_dot(const SC* o, const float* xs, int64_t groups) {
     V acc{};
