@@ -4,7 +4,7 @@ For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, the sam
 with int8 activations and integer dot products (w8a8_int8 / w4a8_int8: not exact), torch's
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`; on request, w8a8_int8_dot / w4a8_int8_dot: the
 integer-dot kernel at every M, where w8a8_int8 / w4a8_int8 hand batches past `dot_kernel_max_rows` to
-the exact path), each K x N shape (input x output features;
+the exact path; w4a8_int8_plain: w4a8_int8 with its rows stored plain, not interleaved), each K x N shape (input x output features;
 by default the linear shapes of Llama-3.2-1B: q/o, k/v, gate/up, down and a tied 32000-row lm_head)
 and each batch of M input rows, the script times y = x @ W.T and reports weight GB/s (weight bytes
 read per call / time), GFLOP/s (2 M N K / time) and the ratio to a read probe that sums a float32
@@ -49,6 +49,9 @@ FORMATS = ("f32", "bf16", "int8", "int4", "w8a8_int8", "w4a8_int8", "torch_int8"
 # Not in the default list: the integer-dot kernel at every M, whatever dot_kernel_max_rows says (the
 # numbers that rule is set from).
 DOT_ONLY = ("w8a8_int8_dot", "w4a8_int8_dot")
+# Also not in the default list: w4a8_int8 with its rows stored plain instead of interleaved four at a
+# time (kernels/int4_rows.h), the layout's before/after.
+PLAIN = ("w4a8_int8_plain",)
 
 
 @dataclass
@@ -93,6 +96,8 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
         return Candidate(fmt, *_packed(Int8DotWeight.from_float(w), min_mb))
     if fmt == "w4a8_int8":
         return Candidate(f"w4a8_int8_g{group}", *_packed(Int4DotWeight.from_float(w, group), min_mb))
+    if fmt == "w4a8_int8_plain":
+        return Candidate(f"w4a8_int8_plain_g{group}", *_packed(Int4DotWeight.from_float(w, group, False), min_mb))
     if fmt == "w8a8_int8_dot":
         return Candidate(fmt, *_dot_only(Int8DotWeight.from_float(w), min_mb))
     if fmt == "w4a8_int8_dot":
@@ -117,7 +122,7 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
             lambda x, i: torch._weight_int4pack_mm_for_cpu(x, ps[i][0], group, ps[i][1]),
             n,
         )
-    raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS + DOT_ONLY}")
+    raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS + DOT_ONLY + PLAIN}")
 
 
 def probe(nbytes: int, min_mb: int) -> Candidate:

@@ -20,4 +20,6 @@ def symmetric_int4(cls: type[Int4Weight], weight: torch.Tensor, group: int) -> I
 
 def with_offsets(weight: Int4Weight) -> Int4Weight:
     """The same weight with its offsets (-8 * scale) stored: the asymmetric form of the same values."""
-    return type(weight)(weight.packed, weight.scales, weight.group_offsets(), weight.group_size, weight.in_features)
+    return type(weight)(
+        weight.plain_packed(), weight.scales, weight.group_offsets(), weight.group_size, weight.in_features
+    )

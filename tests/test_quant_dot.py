@@ -169,7 +169,8 @@ def test_the_dynamic_modes_differ_from_the_exact_ones_by_the_activation_rounding
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(96, 256, generator=gen) * 0.05
     fast, slow = quantize(w, dot, 64), quantize(w, exact, 64)
-    assert torch.equal(fast.tensors()[0], slow.tensors()[0])  # the same stored weights
+    # the same stored weights (the dot mode may keep its int4 rows interleaved; the digest is layout-free)
+    assert all(torch.equal(a, b) for a, b in zip(fast.digest_tensors(), slow.digest_tensors(), strict=True))
     x = torch.randn(1, 256, generator=gen)
     diff = (fast.matmul(x, None) - slow.matmul(x, None)).double().abs()
     # |w . (x - x_hat)| <= sum_k |w_k| |x_k - x_hat_k|, each |x_k - x_hat_k| <= d_block / 2

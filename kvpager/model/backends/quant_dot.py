@@ -157,7 +157,10 @@ class _DynamicActivations(PackedWeight):
             self._level(kernels),
         )  # fmt: skip
         if rc != 0:
-            raise ValueError(f"{self.method}: the integer-dot kernel refused group size {self.group_size}")
+            raise ValueError(
+                f"{self.method}: the integer-dot kernel refused format {self.kernel_fmt()} with group size "
+                f"{self.group_size} (groups must be multiples of 32 or the whole row; interleaved rows int4 only)"
+            )
         return out
 
 
@@ -175,6 +178,9 @@ class Int4DotWeight(_DynamicActivations, Int4Weight):
     """int4 weights (asymmetric, as Int4Weight) times int8 activations quantized per block of 32."""
 
     method = "w4a8_int8"
+    # rows four at a time (kernels/int4_rows.h): the integer-dot tile of four output rows (decode) reads
+    # one stream of memory instead of four
+    INTERLEAVE = True
 
     def __init__(
         self,
@@ -183,9 +189,10 @@ class Int4DotWeight(_DynamicActivations, Int4Weight):
         offsets: torch.Tensor | None,
         group_size: int,
         in_features: int,
+        interleave: bool | None = None,
     ) -> None:
         check_dynamic_group(self.method, group_size, in_features)
-        super().__init__(packed, scales, offsets, group_size, in_features)
+        super().__init__(packed, scales, offsets, group_size, in_features, interleave)
 
 
 def quantize_dynamic(weight: torch.Tensor, method: str, group_size: int | None) -> PackedWeight:

@@ -35,6 +35,7 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 SOURCES = (KERNEL_DIR / "quant.cpp", KERNEL_DIR / "quant_dot.cpp")
 INCLUDES = (
     KERNEL_DIR / "half_bits.h",
+    KERNEL_DIR / "int4_rows.h",
     KERNEL_DIR / "quant_simd.h",
     KERNEL_DIR / "quant_body.inc",
     KERNEL_DIR / "quant_dot_simd.h",
@@ -48,6 +49,7 @@ FLAGS = (
 FMT_BF16, FMT_INT8, FMT_INT4 = 0, 1, 2
 FMT_F16 = 3  # IEEE float16 weights (kFmtF16 in quant.cpp)
 FMT_HALF_SCALES = 256  # or'ed into an int8 / int4 format: its scales are IEEE float16 (kHalfScales)
+FMT_INT4_ROWS4 = 512  # or'ed into int4: rows interleaved four at a time (kernels/int4_rows.h, kRowsBit)
 LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512 = 0, 1, 2
 LEVEL_NAMES = {LEVEL_AVX512: "AVX-512", LEVEL_AVX2: "AVX2+FMA", LEVEL_PORTABLE: "portable C++"}
 

@@ -11,7 +11,10 @@ weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internal
 - `Int4Weight`: asymmetric, w = code * scale + offset, code in [0, 15], a scale and a float32 offset per
   output channel and group (group_size a multiple of 16); or symmetric (offsets None), w = (code - 8) *
   scale, which holds no offsets. GGUF Q4_0 (w = (q - 8) * d) is `Int4Weight.from_codes(q, d, None, 32)`
-  exactly, d float16; Q4_1 and Q4_K (w = q * d + m) the asymmetric form.
+  exactly, d float16; Q4_1 and Q4_K (w = q * d + m) the asymmetric form. Rows may be stored
+  interleaved four at a time (`interleave`, the integer-dot classes' default: kernels/int4_rows.h), so a
+  kernel tile of four output rows reads one stream of memory instead of four; the codes and results
+  are the same, and `packed`-taking APIs (the constructor, `plain_packed`, the digest) use the plain layout.
 
 Scales are float32, or float16 when given as float16 (GGUF Q8_0 / Q4_0 hold the file's float16 scales,
 which widen to float32 exactly: the same values in fewer bytes, so fewer bytes read per token); the
@@ -36,6 +39,7 @@ from kvpager.model.backends.quant_kernels import (
     FMT_F16,
     FMT_HALF_SCALES,
     FMT_INT4,
+    FMT_INT4_ROWS4,
     FMT_INT8,
     QuantKernels,
     quant_kernels_or_none,
@@ -47,6 +51,7 @@ KERNEL_MAX_ROWS = 128
 NATIVE_BF16_MIN_ROWS = 16  # from this many rows oneDNN's bf16 GEMM (AMX / AVX512-BF16) takes a bf16 weight
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
+INT4_ROW_GROUP, INT4_CHUNK = 4, 32  # interleaved int4: rows per group, bytes of a row per turn (int4_rows.h)
 QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
 
 
@@ -83,10 +88,15 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the digest covers: the stored ones, in a layout that does not depend on how the
+        kernels read them."""
+        return self.tensors()
+
     def update_digest(self, h: hashlib._Hash) -> None:
         """Feed the method, shape and stored bytes to `h` (the KV fingerprint commits to them)."""
         h.update(f"{self.method}:{self.out_features}x{self.in_features}:g{self.group_size}".encode())
-        for t in self.tensors():
+        for t in self.digest_tensors():
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -282,9 +292,13 @@ SYMMETRIC_OFFSET = -8.0  # a symmetric group's offset per unit of its scale: cod
 
 class Int4Weight(_ScaledWeight):
     """int4, group-wise along the input, two codes per byte: w = code * scale + offset (asymmetric), or
-    w = (code - 8) * scale (symmetric: offsets None, none stored; the kernels take -8 * scale)."""
+    w = (code - 8) * scale (symmetric: offsets None, none stored; the kernels take -8 * scale).
+
+    `packed` is given in the plain layout; `interleave` (None: the class's INTERLEAVE) stores its rows
+    interleaved four at a time where they are whole 32-byte chunks (`interleaved` says whether it did)."""
 
     fmt, method = FMT_INT4, "int4"
+    INTERLEAVE = False
 
     def __init__(
         self,
@@ -293,6 +307,7 @@ class Int4Weight(_ScaledWeight):
         offsets: torch.Tensor | None,
         group_size: int,
         in_features: int,
+        interleave: bool | None = None,
     ) -> None:
         super().__init__()
         out_features = packed.shape[0]
@@ -303,13 +318,21 @@ class Int4Weight(_ScaledWeight):
         _check_groups(packed, scales, group_size, in_features, "Int4Weight")
         if offsets is not None and offsets.shape != scales.shape:
             raise ValueError(f"Int4Weight: offsets {tuple(offsets.shape)} must match scales {tuple(scales.shape)}")
-        self.packed, self.scales = packed.contiguous(), _stored_scales(scales)
+        self.interleave = self.INTERLEAVE if interleave is None else interleave
+        self.interleaved = self.interleave and _interleavable(packed)
+        self.packed = interleave_rows(packed) if self.interleaved else packed.contiguous()
+        self.scales = _stored_scales(scales)
         self.offsets = None if offsets is None else offsets.float().contiguous()
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor | None,
+        group_size: int,
+        interleave: bool | None = None,
     ) -> Int4Weight:
         """From unpacked codes [N, K] (integers 0..15, any integer dtype) and per-group scales/offsets
         (offsets None: symmetric)."""
@@ -317,10 +340,10 @@ class Int4Weight(_ScaledWeight):
             raise ValueError(f"Int4Weight.from_codes needs 2-D integer codes, got {codes.dtype} {tuple(codes.shape)}")
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
             raise ValueError("Int4Weight.from_codes: codes must lie in 0..15")
-        return cls(_pack_int4(codes.to(torch.uint8)), scales, offsets, group_size, codes.shape[1])
+        return cls(_pack_int4(codes.to(torch.uint8)), scales, offsets, group_size, codes.shape[1], interleave)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
+    def from_float(cls, weight: torch.Tensor, group_size: int = 128, interleave: bool | None = None) -> Int4Weight:
         """Round-to-nearest between each group's min and max: scale = (max - min) / 15, offset = min."""
         out_features, in_features = weight.shape
         num_groups = -(-in_features // group_size)
@@ -339,11 +362,18 @@ class Int4Weight(_ScaledWeight):
             codes = w.sub_(lo[..., None]).div_(s[..., None]).round_().clamp_(0, 15).flatten(1)[:, :in_features]
             packed[r0 : r0 + QUANTIZE_CHUNK_ROWS] = _pack_int4(codes.to(torch.uint8))
             scales[r0 : r0 + QUANTIZE_CHUNK_ROWS], offsets[r0 : r0 + QUANTIZE_CHUNK_ROWS] = s, lo
-        return cls(packed, scales, offsets, group_size, in_features)
+        return cls(packed, scales, offsets, group_size, in_features, interleave)
+
+    def kernel_fmt(self) -> int:
+        return super().kernel_fmt() | (FMT_INT4_ROWS4 if self.interleaved else 0)
+
+    def plain_packed(self) -> torch.Tensor:
+        """The packed codes [N, ceil(K / 16) * 8] in the plain layout (a copy where stored interleaved)."""
+        return plain_rows(self.packed) if self.interleaved else self.packed
 
     def codes(self) -> torch.Tensor:
         """The unpacked codes [N, K] uint8."""
-        spans = self.packed.view(self.out_features, -1, INT4_SPAN // 2)
+        spans = self.plain_packed().view(self.out_features, -1, INT4_SPAN // 2)
         return torch.cat([spans & 0xF, spans >> 4], dim=-1).flatten(1)[:, : self.in_features]
 
     @property
@@ -356,6 +386,9 @@ class Int4Weight(_ScaledWeight):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scales) if self.offsets is None else (self.packed, self.scales, self.offsets)
+
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain_packed(), *self.tensors()[1:])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
@@ -380,11 +413,12 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         # symmetric parts stay offset-free together; beside asymmetric ones they get their -8 * scale
         offsets = None if all(p.symmetric for p in i4) else torch.cat([p.group_offsets() for p in i4])
         return type(first)(
-            torch.cat([p.packed for p in i4]),
+            torch.cat([p.plain_packed() for p in i4]),
             _cat_scales(i4),
             offsets,
             first.group_size,
             first.in_features,
+            first.interleave,
         )
     raise TypeError(f"cannot concatenate {type(first).__name__}")
 
@@ -417,6 +451,29 @@ def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     if pad:
         w = torch.cat([w, w[:, -1:].expand(rows, pad)], dim=1)
     return w.view(rows, -1, group)
+
+
+def _interleavable(packed: torch.Tensor) -> bool:
+    """Whether int4 rows `packed` [N, row_bytes] can interleave: whole 32-byte chunks, a group of four."""
+    return packed.shape[1] % INT4_CHUNK == 0 and packed.shape[0] >= INT4_ROW_GROUP
+
+
+def interleave_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Plain int4 rows [N, row_bytes] (row_bytes a multiple of 32) -> the same shape, rows interleaved
+    (kernels/int4_rows.h): per group of four rows their 32-byte chunks in turn; rows past the last full
+    group stay plain."""
+    rows, row_bytes = packed.shape
+    whole = rows // INT4_ROW_GROUP * INT4_ROW_GROUP
+    groups = packed[:whole].reshape(-1, INT4_ROW_GROUP, row_bytes // INT4_CHUNK, INT4_CHUNK)
+    return torch.cat([groups.transpose(1, 2).reshape(whole, row_bytes), packed[whole:]]).contiguous()
+
+
+def plain_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of interleave_rows."""
+    rows, row_bytes = packed.shape
+    whole = rows // INT4_ROW_GROUP * INT4_ROW_GROUP
+    groups = packed[:whole].reshape(-1, row_bytes // INT4_CHUNK, INT4_ROW_GROUP, INT4_CHUNK)
+    return torch.cat([groups.transpose(1, 2).reshape(whole, row_bytes), packed[whole:]]).contiguous()
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@
 //             byte j (0..7) holds weight j in its low nibble and weight j + 8 in its high nibble;
 //             w[n, k] = code * scales[n, g] + offsets[n, g], g = k / group      (asymmetric)
 //             offsets null: symmetric, offsets[n, g] = -8 * scales[n, g] (GGUF Q4_0), computed where read
+//             | kvq_int4::kRowsBit: rows interleaved four at a time (int4_rows.h), the same codes
 // Scales are float32, or IEEE float16 where the format value has kHalfScales set (GGUF Q8_0 / Q4_0: the
 // file's float16 scales, widened exactly where read; offsets stay float32).
 // Groups run along K; the last one may be short (K need not be a multiple of the group). int4 groups
@@ -36,6 +37,7 @@
 #define KVQ_POP _Pragma("GCC pop_options")
 #endif
 
+#include "int4_rows.h"
 #include "quant_simd.h"
 
 namespace {
@@ -44,6 +46,10 @@ constexpr int64_t kFmtBf16 = 0;
 constexpr int64_t kFmtInt8 = 1;
 constexpr int64_t kFmtInt4 = 2;
 constexpr int64_t kFmtF16 = 3;
+// int4 with interleaved rows: not a format value callers pass (they pass kFmtInt4 | kRowsBit) but the
+// kernels' own instantiation of int4 reading that layout
+constexpr int64_t kFmtInt4Rows = kFmtInt4 | kvq_int4::kRowsBit;
+constexpr bool is_int4(int64_t fmt) { return fmt == kFmtInt4 || fmt == kFmtInt4Rows; }
 // The 16-bit float formats: the weight itself, no scale or offset.
 constexpr bool unscaled(int64_t fmt) { return fmt == kFmtBf16 || fmt == kFmtF16; }
 constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1, kLevelAvx512 = 2;
@@ -54,6 +60,7 @@ struct Packed {
   const void* scales;    // float32, or IEEE float16 when half_scales
   bool half_scales;
   const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
+  int64_t interleaved;   // int4: the leading rows stored four at a time (int4_rows.h); 0: plain
 };
 
 // A format value with this bit set: the scales are IEEE float16 (quant_weights.FMT_HALF_SCALES).
@@ -68,9 +75,9 @@ inline float raw_at(const Packed& p, int64_t n, int64_t k) {
   if (p.fmt == kFmtBf16) return kvq_simd::bf16_bits_to_float(static_cast<const uint16_t*>(p.w)[n * p.K + k]);
   if (p.fmt == kFmtF16) return kvq_simd::f16_bits_to_float(static_cast<const uint16_t*>(p.w)[n * p.K + k]);
   if (p.fmt == kFmtInt8) return static_cast<float>(static_cast<const int8_t*>(p.w)[n * p.K + k]);
-  const uint8_t* row = static_cast<const uint8_t*>(p.w) + n * p.row_bytes;
   const int64_t span = k / 16, j = k % 16;
-  const uint8_t byte = row[span * 8 + (j & 7)];
+  const uint8_t byte =
+      static_cast<const uint8_t*>(p.w)[kvq_int4::byte_at(p.interleaved, p.row_bytes, n, span * 8 + (j & 7))];
   return static_cast<float>(j < 8 ? (byte & 0xF) : (byte >> 4));
 }
 
@@ -113,7 +120,8 @@ Packed make_packed(int64_t fmt, const void* w, const void* scales, const float* 
                    int64_t group) {
   Packed p{};
   p.half_scales = (fmt & kHalfScales) != 0;
-  fmt &= ~kHalfScales;
+  const bool rows4 = (fmt & kvq_int4::kRowsBit) != 0;
+  fmt &= ~(kHalfScales | kvq_int4::kRowsBit);
   p.fmt = fmt;
   p.N = N;
   p.K = K;
@@ -123,6 +131,7 @@ Packed make_packed(int64_t fmt, const void* w, const void* scales, const float* 
   p.w = w;
   p.scales = unscaled(fmt) ? nullptr : scales;
   p.offsets = offsets;
+  p.interleaved = fmt == kFmtInt4 ? kvq_int4::interleaved_rows(rows4, N, p.row_bytes) : 0;
   return p;
 }
 
