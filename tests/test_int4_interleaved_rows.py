@@ -118,10 +118,11 @@ def test_the_digest_and_stored_size_do_not_depend_on_the_layout() -> None:
     assert mixed.nbytes == plain.nbytes
 
 
-def test_concatenated_interleaved_parts_interleave_the_joined_rows() -> None:
+@pytest.mark.parametrize("rows", [(6, 5, 9), (8, 4, 6)], ids=["groups-straddle-parts", "parts-whole-groups"])
+def test_concatenated_interleaved_parts_interleave_the_joined_rows(rows: tuple[int, ...]) -> None:
     _kernels_or_skip()
     gen = torch.Generator().manual_seed(5)
-    parts_w = [torch.randn(n, 128, generator=gen) for n in (6, 5, 9)]  # groups of four straddle the parts
+    parts_w = [torch.randn(n, 128, generator=gen) for n in rows]
     parts = [Int4DotWeight.from_float(p, 32) for p in parts_w]
     joined = cat_rows(parts)
     assert isinstance(joined, Int4DotWeight) and joined.interleaved

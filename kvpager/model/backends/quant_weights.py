@@ -412,14 +412,18 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         i4 = [p for p in parts if isinstance(p, Int4Weight)]
         # symmetric parts stay offset-free together; beside asymmetric ones they get their -8 * scale
         offsets = None if all(p.symmetric for p in i4) else torch.cat([p.group_offsets() for p in i4])
-        return type(first)(
-            torch.cat([p.plain_packed() for p in i4]),
-            _cat_scales(i4),
-            offsets,
-            first.group_size,
-            first.in_features,
-            first.interleave,
-        )
+        scales, group, k = _cat_scales(i4), first.group_size, first.in_features
+        if (
+            first.interleave
+            and all(p.interleaved for p in i4)
+            and all(p.out_features % INT4_ROW_GROUP == 0 for p in i4[:-1])
+        ):
+            # every part's groups of four start at a multiple of four in the joined rows: the stored
+            # parts joined are the joined rows interleaved (no plain copies while loading)
+            joined = type(first)(torch.cat([p.packed for p in i4]), scales, offsets, group, k, interleave=False)
+            joined.interleave = joined.interleaved = True
+            return joined
+        return type(first)(torch.cat([p.plain_packed() for p in i4]), scales, offsets, group, k, first.interleave)
     raise TypeError(f"cannot concatenate {type(first).__name__}")
 
 
@@ -461,19 +465,25 @@ def _interleavable(packed: torch.Tensor) -> bool:
 def interleave_rows(packed: torch.Tensor) -> torch.Tensor:
     """Plain int4 rows [N, row_bytes] (row_bytes a multiple of 32) -> the same shape, rows interleaved
     (kernels/int4_rows.h): per group of four rows their 32-byte chunks in turn; rows past the last full
-    group stay plain."""
-    rows, row_bytes = packed.shape
-    whole = rows // INT4_ROW_GROUP * INT4_ROW_GROUP
-    groups = packed[:whole].reshape(-1, INT4_ROW_GROUP, row_bytes // INT4_CHUNK, INT4_CHUNK)
-    return torch.cat([groups.transpose(1, 2).reshape(whole, row_bytes), packed[whole:]]).contiguous()
+    group stay plain. One new tensor, written in place (no intermediate copies while loading)."""
+    return _regroup(packed, to_interleaved=True)
 
 
 def plain_rows(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of interleave_rows."""
+    return _regroup(packed, to_interleaved=False)
+
+
+def _regroup(packed: torch.Tensor, to_interleaved: bool) -> torch.Tensor:
     rows, row_bytes = packed.shape
-    whole = rows // INT4_ROW_GROUP * INT4_ROW_GROUP
-    groups = packed[:whole].reshape(-1, row_bytes // INT4_CHUNK, INT4_ROW_GROUP, INT4_CHUNK)
-    return torch.cat([groups.transpose(1, 2).reshape(whole, row_bytes), packed[whole:]]).contiguous()
+    whole, chunks = rows // INT4_ROW_GROUP * INT4_ROW_GROUP, row_bytes // INT4_CHUNK
+    out = torch.empty_like(packed, memory_format=torch.contiguous_format)
+    plain_view = (-1, INT4_ROW_GROUP, chunks, INT4_CHUNK)  # [group, row, chunk, byte]
+    mixed_view = (-1, chunks, INT4_ROW_GROUP, INT4_CHUNK)  # [group, chunk, row, byte]
+    src, dst = (plain_view, mixed_view) if to_interleaved else (mixed_view, plain_view)
+    out[:whole].view(dst).copy_(packed[:whole].reshape(src).transpose(1, 2))
+    out[whole:] = packed[whole:]
+    return out
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
