@@ -3,15 +3,18 @@
 (cpu_ops.py) without ~9 Python calls per layer (they cost more than the math at batch 1).
 
 The kernel reads each layer's tensors through a table of raw addresses (`build_layer_table`): float32
-weights row-major or in column blocks, and packed 16-bit weights (Bf16Weight / F16Weight), whose
-multiplies call the packed-weight library's kvq_linear, the kernel their per-op matmul calls.
-Quantized (int8, int4) weights run layer by layer.
+weights row-major or in column blocks, packed 16-bit weights (Bf16Weight / F16Weight), whose
+multiplies call the packed-weight library's kvq_linear, and int8 / int4 weights with int8 activations
+(Int8DotWeight / Int4DotWeight: w8a8_int8, w4a8_int8, GGUF files with --gguf-int8-activations), whose
+multiplies call its kvq_dot_linear: in each case the kernel their per-op matmul calls. Other quantized
+weights (the exact int8 / int4 formats, GGUF row stacks of mixed formats) run layer by layer.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +30,9 @@ from kvpager.model.backends.kernel_checks import (
     medium_precision,
     unfit,
 )
-from kvpager.model.backends.kernels.abi import KV_FORMATS
+from kvpager.model.backends.kernels.abi import DOT_LAYOUT, KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelLibrary
+from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import NATIVE_BF16_MIN_ROWS, Bf16Weight, HalfWeight
 from kvpager.model.backends.weight_layout import blocked_stride
@@ -42,6 +46,7 @@ FUSED_MAX_ROWS = 64
 # four weights (`table_layout`); LAYER_TABLE_WIDTH in all (kLayerTableWidth in C++).
 LAYER_TABLE_ADDRESSES = 12
 LAYER_TABLE_WIDTH = 16
+DotWeight = Int8DotWeight | Int4DotWeight
 
 
 class FusedLayerStack:
@@ -54,10 +59,9 @@ class FusedLayerStack:
         self._decode_layers = kernels.fn("kvp_decode_layers")
         self.fallbacks = fallbacks
         self._bf16_linear = bf16_linear
-        # NOTE: the layer table holds raw addresses: keep the modules alive alongside it.
-        # id(layers) -> (layers, their table or None, whether every weight in it is in column blocks,
-        # the packed 16-bit weights in it)
-        self._tables: dict[int, tuple[Sequence[Any], torch.Tensor | None, bool, list[HalfWeight]]] = {}
+        # NOTE: the layer tables hold raw addresses: keep the modules alive alongside them.
+        # id(layers) -> (layers, their LayerTable or None)
+        self._tables: dict[int, tuple[Sequence[Any], LayerTable | None]] = {}
 
     def run(
         self,
@@ -80,19 +84,24 @@ class FusedLayerStack:
             t.dtype == torch.int64 for t in (dec.block_tables, dec.seq_lens, meta.slot_mapping)
         ):
             reason = "block tables, sequence lengths or slot mapping not int64"
-        table = self._layer_table(layers, spec.rms_norm_eps) if reason is None else None
+        built = self._layer_table(layers, spec.rms_norm_eps) if reason is None else None
+        table = built.table if built is not None else None
         if reason is None and table is None and has_quantized_weights(layers):
-            return None  # by design: quantized (int8, int4) weights run layer by layer
+            return None  # by design: quantized weights other than the int8-activation ones run layer by layer
         if reason is None and table is None:
             reason = "a layer's tensors are not float32 and contiguous on the CPU, or the norms' eps differ"
         if reason is not None or table is None:
             self.fallbacks.record("decode_layers", reason or "")
             return None
-        if rows > self._fused_max_rows(layers):
+        assert built is not None
+        if rows > self._fused_max_rows(built):
             return None
-        packed = self._packed_linear(layers)
-        if packed is None:
-            return None  # by design: 16-bit weights capped at different kernel paths run layer by layer
+        packed = self._packed_linear(built)
+        dot = self._dot_linear(built, rows)
+        if packed is None or dot is None:
+            # by design: weights capped at different kernel paths, or int8-activation weights that send
+            # this many rows to their exact path, run layer by layer
+            return None
         num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
         if table.shape[0] != num_layers or (num_kv_heads, head_dim, x.shape[1]) != (
             spec.num_kv_heads,
@@ -125,26 +134,32 @@ class FusedLayerStack:
             kv_format=KV_FORMATS[kv_cache.dtype],
             packed_linear=packed[0],
             packed_level=packed[1],
+            dot_linear=dot[0],
+            dot_level=dot[1],
+            dot_weights=built.dot_weights,
         )
         return x, residual
 
-    def _fused_max_rows(self, layers: Sequence[Any]) -> int:
-        """The most rows the fused stack takes over the weights of `layers` (after `_layer_table`):
-        FUSED_MAX_ROWS when every weight is in column blocks, except at "medium" precision with the
-        bfloat16 linear (faster above SMALL_BATCH_LINEAR rows); NATIVE_BF16_MIN_ROWS over bfloat16
-        weights where Bf16Weight.matmul hands more rows to oneDNN's bf16 GEMM (so the fused step
-        computes what the per-op path does); SMALL_BATCH_LINEAR otherwise."""
-        _, _, all_blocked, halves = self._tables[id(layers)]
-        if all_blocked and not (self._bf16_linear and medium_precision()):
+    def _fused_max_rows(self, built: LayerTable) -> int:
+        """The most rows the fused stack takes over the weights of a layer table: FUSED_MAX_ROWS when
+        every weight is in column blocks, except at "medium" precision with the bfloat16 linear (faster
+        above SMALL_BATCH_LINEAR rows), or an int8-activation weight (whose own row limit `_dot_linear`
+        applies); NATIVE_BF16_MIN_ROWS over bfloat16 weights where Bf16Weight.matmul hands more rows to
+        oneDNN's bf16 GEMM (so the fused step computes what the per-op path does); SMALL_BATCH_LINEAR
+        otherwise."""
+        halves = built.halves
+        if built.all_dot:
+            return FUSED_MAX_ROWS
+        if built.all_blocked and not (self._bf16_linear and medium_precision()):
             return FUSED_MAX_ROWS
         if any(isinstance(w, Bf16Weight) for w in halves) and native_bf16_matmul_available():
             return NATIVE_BF16_MIN_ROWS
         return SMALL_BATCH_LINEAR
 
-    def _packed_linear(self, layers: Sequence[Any]) -> tuple[int, int] | None:
-        """(kvq_linear's address, the kernel path cap) for the packed 16-bit weights of `layers`
+    def _packed_linear(self, built: LayerTable) -> tuple[int, int] | None:
+        """(kvq_linear's address, the kernel path cap) for the packed 16-bit weights of a layer table
         ((0, 0) when there are none); None when their caps (PackedWeight.max_level) differ."""
-        halves = self._tables[id(layers)][3]
+        halves = built.halves
         if not halves:
             return 0, 0
         kernels = quant_kernels_or_none()
@@ -156,23 +171,63 @@ class FusedLayerStack:
         assert address is not None
         return address, levels.pop()
 
-    def _layer_table(self, layers: Sequence[Any], eps: float) -> torch.Tensor | None:
-        """[L, 16] int64 addresses of each layer's tensors and its weights' layouts (see kvp_decode_layers);
-        None when a tensor is not float32 on the CPU, contiguous or (a weight) in column blocks or a
-        packed 16-bit weight, or the norms' eps differ (then the layers run one by one)."""
+    def _dot_linear(self, built: LayerTable, rows: int) -> tuple[int, int] | None:
+        """(kvq_dot_linear's address, the kernel path cap) for the int8-activation weights of a layer
+        table ((0, 0) when there are none); None when their caps differ or `rows` is more than one of
+        them sends to the integer dot (its matmul would take its exact path: dot_rows)."""
+        dots = built.dots
+        if not dots:
+            return 0, 0
+        kernels = quant_kernels_or_none()
+        assert kernels is not None  # NOTE: the table holds such weights only when the library loaded
+        levels = {kernels.default_level if w.max_level is None else w.max_level for w in dots}
+        if len(levels) != 1:
+            return None
+        limits = {w.dot_rows(kernels) for w in dots}
+        if any(limit is not None and rows > limit for limit in limits):
+            return None
+        address = ctypes.cast(kernels.dot_linear, ctypes.c_void_p).value
+        assert address is not None
+        return address, levels.pop()
+
+    def _layer_table(self, layers: Sequence[Any], eps: float) -> LayerTable | None:
+        """The layers' table (built once): see build_layer_table; None: the layers run one by one."""
         key = id(layers)
         if key not in self._tables:
-            built = build_layer_table(layers, eps)
-            table, halves = built if built is not None else (None, [])
-            all_blocked = table is not None and bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
-            self._tables[key] = (layers, table, all_blocked, halves)
+            self._tables[key] = (layers, build_layer_table(layers, eps))
         return self._tables[key][1]
 
 
-def build_layer_table(layers: Sequence[Any], eps: float) -> tuple[torch.Tensor, list[HalfWeight]] | None:
-    """The layer table and the packed 16-bit weights it points into; None: the layers run one by one."""
+@dataclass(frozen=True)
+class LayerTable:
+    """kvp_decode_layers' tables for a stack of layers and the packed weights they point into.
+
+    `table` [L, 16] int64: each layer's tensor addresses and its four weights' layout codes;
+    `dot_weights` [L, 4, 4] int64: per weight, for the int8-activation ones (DOT_LAYOUT), the addresses
+    of its scales and offsets (0: none), its kernel format value and group size; zeros for the others."""
+
+    table: torch.Tensor
+    dot_weights: torch.Tensor
+    halves: list[HalfWeight]
+    dots: list[DotWeight]
+
+    @property
+    def all_blocked(self) -> bool:
+        return bool((self.table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
+
+    @property
+    def all_dot(self) -> bool:
+        return bool((self.table[:, LAYER_TABLE_ADDRESSES:] == DOT_LAYOUT).all())
+
+
+def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
+    """The layer tables; None when a tensor is not float32 on the CPU, contiguous or (a weight) in
+    column blocks, a packed 16-bit weight or an int8-activation weight, or the norms' eps differ (then
+    the layers run one by one)."""
     rows: list[list[int]] = []
+    dot_rows: list[list[list[int]]] = []
     halves: list[HalfWeight] = []
+    dots: list[DotWeight] = []
     all_eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -181,8 +236,11 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> tuple[torch.Tensor, 
         if any(code is None for code in layouts):  # quantized weights (or a kind the kernels lack): layer by layer
             return None
         halves.extend(w for w in weights if isinstance(w, HalfWeight))
-        # the tensors the kernels read: a packed 16-bit weight's own 16-bit tensor
-        dense = [w.weight if isinstance(w, HalfWeight) else w for w in weights]
+        dots.extend(w for w in weights if isinstance(w, DotWeight))
+        # the tensors the kernels read: a packed 16-bit weight's own 16-bit tensor, an int8-activation
+        # weight's codes (its scales and offsets go to dot_weights)
+        dense = [_read_tensor(w) for w in weights]
+        dot_rows.append([_dot_descriptor(w) for w in weights])
         tensors = [
             layer.input_layernorm.weight,
             dense[0],
@@ -201,7 +259,7 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> tuple[torch.Tensor, 
             all_eps.add(attn.q_norm.eps)
         # float32 weights row-major or in column blocks; a packed 16-bit weight contiguous by construction
         blocked = {id(t) for t, code in zip(dense, layouts, strict=True) if code and code > 0}
-        half = {id(w.weight) for w in weights if isinstance(w, HalfWeight)}
+        half = {id(t) for w, t in zip(weights, dense, strict=True) if isinstance(w, HalfWeight | DotWeight)}
         if any(
             t is not None and id(t) not in half and not (f32(t) and (t.is_contiguous() or id(t) in blocked))
             for t in tensors
@@ -209,26 +267,51 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> tuple[torch.Tensor, 
             return None
         rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + [int(code or 0) for code in layouts])
         assert len(rows[-1]) == LAYER_TABLE_WIDTH and len(tensors) == LAYER_TABLE_ADDRESSES
-    if halves and quant_kernels_or_none() is None:
+    if (halves or dots) and quant_kernels_or_none() is None:
         return None
-    return (torch.tensor(rows, dtype=torch.int64), halves) if all_eps == {eps} else None
+    if all_eps != {eps}:
+        return None
+    table, dot_weights = torch.tensor(rows, dtype=torch.int64), torch.tensor(dot_rows, dtype=torch.int64)
+    return LayerTable(table, dot_weights.view(len(rows), 4, 4), halves, dots)
+
+
+def _read_tensor(weight: Any) -> Any:
+    """The tensor of a weight that the kernels read through the layer table."""
+    if isinstance(weight, HalfWeight):
+        return weight.weight
+    if isinstance(weight, DotWeight):
+        return weight.tensors()[0]  # the codes (int8 values, or int4 pairs in their stored layout)
+    return weight
+
+
+def _dot_descriptor(weight: Any) -> list[int]:
+    """dot_weights' row for a weight: (scales, offsets or 0, kernel format value, group); zeros unless
+    an int8-activation weight."""
+    if not isinstance(weight, DotWeight):
+        return [0, 0, 0, 0]
+    _, scales, offsets = weight._pointers()  # what its own matmul hands kvq_dot_linear
+    assert scales is not None
+    return [scales, offsets or 0, weight.kernel_fmt(), weight.group_size]
 
 
 def table_layout(weight: Any) -> int | None:
     """A weight's layout code in the layer table: its block stride (column blocks, kvp_linear_b), 0
-    (row-major float32, kvp_linear_small), -(fmt + 1) (a packed 16-bit weight, kvq_linear), None
-    (anything else: the layers run one by one)."""
+    (row-major float32, kvp_linear_small), -(fmt + 1) (a packed 16-bit weight, kvq_linear), DOT_LAYOUT
+    (an int8-activation weight, kvq_dot_linear), None (anything else: the layers run one by one)."""
     if isinstance(weight, HalfWeight):
         return -(weight.fmt + 1) if weight.device.type == "cpu" else None
+    if isinstance(weight, DotWeight):
+        return DOT_LAYOUT if weight.device.type == "cpu" else None
     if isinstance(weight, torch.Tensor):
         return blocked_stride(weight)
     return None
 
 
 def has_quantized_weights(layers: Sequence[Any]) -> bool:
-    """Whether a layer holds a quantized weight (the fused stack reads float32 and 16-bit weights)."""
+    """Whether a layer holds a quantized weight the fused stack does not read (it reads float32, 16-bit
+    and int8-activation weights)."""
     return any(
-        not isinstance(w, torch.Tensor | HalfWeight)
+        not isinstance(w, torch.Tensor | HalfWeight | DotWeight)
         for layer in layers
         for w in (
             layer.self_attn.qkv_proj.weight,

@@ -21,6 +21,7 @@ KV = (torch.float32, torch.bfloat16, torch.float16)  # KV cache elements; "kv" b
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
 LAYER_TABLE_ADDRESSES = 12  # addresses per layer; then the four weights' layouts (< 0: a packed 16-bit weight)
+DOT_LAYOUT = -1024  # a weight's layout code for kvq_dot_linear (int8 activations): kDotLayout in common.h
 
 Sym = Mapping[str, int]
 
@@ -287,6 +288,9 @@ SPECS: tuple[KernelSpec, ...] = (
             ("kv_format", Int()),
             ("packed_linear", Int()),  # kvq_linear's address (a 16-bit weight in the table), else 0
             ("packed_level", Int()),
+            ("dot_linear", Int()),  # kvq_dot_linear's address (an int8-activation weight in the table), else 0
+            ("dot_level", Int()),
+            ("dot_weights", Tensor(I64, ("num_layers", 4, 4))),  # per weight: scales, offsets, format, group
         ),
         checks=(
             _GQA,
@@ -305,7 +309,21 @@ SPECS: tuple[KernelSpec, ...] = (
         tensor_checks=(
             (
                 "a packed 16-bit weight in the layer table needs packed_linear (kvq_linear's address)",
-                lambda t, s: s["packed_linear"] != 0 or bool((t["layers"][:, LAYER_TABLE_ADDRESSES:] >= 0).all()),
+                lambda t, s: (
+                    s["packed_linear"] != 0
+                    or bool(
+                        (
+                            (t["layers"][:, LAYER_TABLE_ADDRESSES:] >= 0)
+                            | (t["layers"][:, LAYER_TABLE_ADDRESSES:] == DOT_LAYOUT)
+                        ).all()
+                    )
+                ),
+            ),
+            (
+                "an int8-activation weight in the layer table needs dot_linear (kvq_dot_linear's address)",
+                lambda t, s: (
+                    s["dot_linear"] != 0 or not bool((t["layers"][:, LAYER_TABLE_ADDRESSES:] == DOT_LAYOUT).any())
+                ),
             ),
         ),
     ),

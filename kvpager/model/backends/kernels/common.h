@@ -34,6 +34,9 @@ namespace kvp {
 
 // Entries per layer in kvp_decode_layers' table (kvpager.model.ops builds it with the same width).
 constexpr int64_t kLayerTableWidth = 16;
+// The layer table's layout code of an int8 / int4 weight with int8 activations (kvq_dot_linear;
+// fused_stack.DOT_LAYOUT). Block strides are > 0, packed 16-bit weights -(fmt + 1) for fmt 0..3.
+constexpr int64_t kDotLayout = -1024;
 
 // KV cache elements: float32, bfloat16 held as its upper 16 bits (torch's layout and rounding), or
 // IEEE float16 (a distinct type so that every template below picks its own conversion).

@@ -60,6 +60,13 @@ using PackedLinear = void (*)(int64_t fmt, const float* x, int64_t M, int64_t K,
                               const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                               int64_t num_threads, int64_t max_level);
 
+// kvq_dot_linear (quant_dot.cpp, the same library): y [M, N] = quantize_per_block(x [M, K]) . w (+ bias)
+// for an int8 / int4 weight with int8 activations (w8a8_int8 / w4a8_int8); returns 0, or -1 when it
+// refuses the format or group (the caller checked both when it built the table).
+using DotLinear = int64_t (*)(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
+                              const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
+                              int64_t num_threads, int64_t max_level);
+
 // 1 / sqrt(mean(x^2) + eps) over `dim` floats.
 inline float inv_rms(const float* __restrict x, int64_t dim, float eps) {
   float ss = 0.f;
@@ -248,7 +255,10 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // in column blocks (kvp_linear_b), 0 when torch's row-major float32 [N, K] (kvp_linear_small), and
 // -(fmt + 1) for a packed 16-bit weight of the packed-weight library's format fmt (bfloat16 / float16
 // [N, K], quant.cpp): that multiply runs `packed_linear`, the library's kvq_linear, capped at
-// `packed_level`, the very kernel the per-op path calls for the weight, so both compute the same values.
+// `packed_level`, the very kernel the per-op path calls for the weight, so both compute the same values;
+// kvp::kDotLayout for an int8 / int4 weight with int8 activations: that multiply runs `dot_linear`, the
+// library's kvq_dot_linear, capped at `dot_level`, with the weight's scales, offsets (0: none), format
+// value and group from `dot_weights` [num_layers, 4 weights, 4] (likewise the per-op path's kernel).
 // On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
@@ -258,7 +268,8 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
                        void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
                        int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_format,
-                       int64_t packed_linear, int64_t packed_level) {
+                       int64_t packed_linear, int64_t packed_level, int64_t dot_linear, int64_t dot_level,
+                       const int64_t* dot_weights) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   // K -> V of one layer, in bytes
   const int64_t half_stride = num_blocks * block_size * kv_size * kvp::kv_bytes(kv_format);
@@ -269,8 +280,14 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   float* h = act + M * inter;
   auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
   const auto packed = reinterpret_cast<PackedLinear>(packed_linear);
-  auto linear = [&](const float* in, int64_t K, int64_t w, int64_t bs, int64_t N, int64_t bias, float* out) {
-    if (bs < 0) {
+  const auto dot = reinterpret_cast<DotLinear>(dot_linear);
+  // d: the weight's dot_weights row (scales, offsets, format value, group)
+  auto linear = [&](const float* in, int64_t K, int64_t w, int64_t bs, int64_t N, int64_t bias, float* out,
+                    const int64_t* d) {
+    if (bs == kvp::kDotLayout) {
+      dot(d[2], in, M, K, reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(d[0]), f(d[1]), N, d[3],
+          f(bias), out, omp_get_max_threads(), dot_level);
+    } else if (bs < 0) {
       packed(-bs - 1, in, M, K, reinterpret_cast<const void*>(w), nullptr, nullptr, N, K, f(bias), out,
              omp_get_max_threads(), packed_level);
     } else if (bs > 0) {
@@ -282,23 +299,24 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   std::memcpy(residual, x, M * H * sizeof(float));
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kvp::kLayerTableWidth;
+    const int64_t* d = dot_weights + l * 16;  // four weights' (scales, offsets, format value, group)
     char* k_cache = static_cast<char*>(kv_cache) + l * 2 * half_stride;
     if (l == 0) {
       kvp_rms_norm(residual, H, f(p[0]), h, H, M, H, eps);
     } else {
       kvp_add_rms_norm(residual, x, f(p[0]), h, M, H, eps);
     }
-    linear(h, H, p[1], p[12], qkv_size, p[2], qkv);
+    linear(h, H, p[1], p[12], qkv_size, p[2], qkv, d);
     kvp_rope_and_cache(qkv, qkv_size, M, num_heads, num_kv_heads, head_dim, cos, sin, f(p[10]), f(p[11]), eps, k_cache,
                        k_cache + half_stride, slots, kv_format);
     kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
                      k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition,
                      kv_format);
-    linear(attn, q_size, p[3], p[13], H, p[4], x);
+    linear(attn, q_size, p[3], p[13], H, p[4], x, d + 4);
     kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
-    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up);
+    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up, d + 8);
     kvp_silu_mul(gate_up, act, M, inter);
-    linear(act, inter, p[8], p[15], H, p[9], x);
+    linear(act, inter, p[8], p[15], H, p[9], x, d + 12);
   }
 }
 
