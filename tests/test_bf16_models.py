@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
-from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls
+from test_model_equivalence import PagedHarness, _prompts, assert_fused_steps_equal_per_op
 
 from kvpager.core.config import EngineConfig, resolve_dtype
 from kvpager.engine.engine import Engine
@@ -218,21 +218,10 @@ def test_16bit_fused_decode_step_equals_the_per_op_path_and_is_taken(
     model = load_model(path, dtype=dtype, device="cpu")
     if model.ops.name != "cpu" or not isinstance(model.layers[0].mlp.down_proj.weight, Bf16Weight | F16Weight):
         pytest.skip("no C++ compiler here: no kernels, no fused layer stack")
-    fused_calls = _spy_fused_calls(model, monkeypatch)
     spec_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = _prompts(spec_vocab, [5, 12, 9], seed=3)
     extra = _prompts(spec_vocab, [3, 3, 3], seed=4)
-    fused, per_op = (PagedHarness(model, block_size=4, kv_dtype=dtype) for _ in range(2))
     steps = [[(str(i), p) for i, p in enumerate(prompts)]]
     steps += [[(str(i), [extra[i][t]]) for i in range(3)] for t in range(2)] + [[("0", [extra[0][2]])]]
-    got = [fused.step(batch) for batch in steps]
-    assert fused_calls == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused
-    fused_layers = model.ops.decode_layers
-    monkeypatch.setattr(model.ops, "decode_layers", lambda *args, **kwargs: None)  # every op on its own
-    ref = [per_op.step(batch) for batch in steps]
-    monkeypatch.setattr(model.ops, "decode_layers", fused_layers)
-    assert fused_calls == [False, True, True, True]
-    for step_got, step_ref in zip(got[1:], ref[1:], strict=True):
-        for a, b in zip(step_got, step_ref, strict=True):
-            assert torch.equal(a, b), f"fused vs per-op: {(a - b).abs().max().item():.3e}"
-    assert torch.equal(fused.kv_cache, per_op.kv_cache)  # the same K/V written, bit for bit
+    taken = assert_fused_steps_equal_per_op(model, steps, monkeypatch, kv_dtype=dtype)
+    assert taken == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls
+from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls, assert_fused_steps_equal_per_op
 
 from kvpager.model import load_model
 from kvpager.model.backends.fused_stack import has_quantized_weights
@@ -51,19 +51,8 @@ def test_int8_activation_decode_steps_run_fused_and_equal_the_per_op_path(
     path = llama_checkpoint if case == "llama" else qwen2_checkpoint  # qwen2: q/k/v biases
     model = _load(path, quantization, group)
     assert not has_quantized_weights(model.layers)  # every weight is one the fused stack reads
-    fused_calls = _spy_fused_calls(model, monkeypatch)
-    steps = _steps(path)
-    fused, per_op = PagedHarness(model, block_size=4), PagedHarness(model, block_size=4)
-    got = [fused.step(batch) for batch in steps]
-    assert fused_calls == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused
-    fused_layers = model.ops.decode_layers
-    monkeypatch.setattr(model.ops, "decode_layers", lambda *args, **kwargs: None)  # every op on its own
-    ref = [per_op.step(batch) for batch in steps]
-    monkeypatch.setattr(model.ops, "decode_layers", fused_layers)
-    for step_got, step_ref in zip(got[1:], ref[1:], strict=True):
-        for a, b in zip(step_got, step_ref, strict=True):
-            assert torch.equal(a, b), f"fused vs per-op: {(a - b).abs().max().item():.3e}"
-    assert torch.equal(fused.kv_cache, per_op.kv_cache)  # the same K/V written, bit for bit
+    taken = assert_fused_steps_equal_per_op(model, _steps(path), monkeypatch)
+    assert taken == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused
 
 
 def test_int8_activation_weights_capped_at_different_paths_run_layer_by_layer(

@@ -198,6 +198,30 @@ def test_decode_steps_mixed_with_prefill_chunk_match_transformers(
     _assert_close(chunk_c2, pair.reference(c)[9:])
 
 
+def assert_fused_steps_equal_per_op(
+    model: CausalLM,
+    steps: list[list[tuple[str, list[int]]]],
+    monkeypatch: pytest.MonkeyPatch,
+    kv_dtype: torch.dtype = torch.float32,
+) -> list[bool]:
+    """Run `steps` twice on fresh paged caches, with the fused layer stack and with every op on its own;
+    assert the decode steps' logits and the K/V written are the same bits. Returns, per forward of the
+    fused run, whether the fused stack ran it."""
+    fused_calls = _spy_fused_calls(model, monkeypatch)
+    fused, per_op = (PagedHarness(model, block_size=4, kv_dtype=kv_dtype) for _ in range(2))
+    got = [fused.step(batch) for batch in steps]
+    taken = list(fused_calls)
+    fused_layers = model.ops.decode_layers
+    monkeypatch.setattr(model.ops, "decode_layers", lambda *args, **kwargs: None)  # every op on its own
+    ref = [per_op.step(batch) for batch in steps]
+    monkeypatch.setattr(model.ops, "decode_layers", fused_layers)
+    for step_got, step_ref in zip(got[1:], ref[1:], strict=True):
+        for a, b in zip(step_got, step_ref, strict=True):
+            assert torch.equal(a, b), f"fused vs per-op: {(a - b).abs().max().item():.3e}"
+    assert torch.equal(fused.kv_cache, per_op.kv_cache)  # the same K/V written, bit for bit
+    return taken
+
+
 def _spy_fused_calls(model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Record, per forward, whether `model.ops.decode_layers` ran the fused layer stack (not None)."""
     calls: list[bool] = []
