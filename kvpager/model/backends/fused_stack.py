@@ -183,7 +183,8 @@ class FusedLayerStack:
         levels = {kernels.default_level if w.max_level is None else w.max_level for w in dots}
         if len(levels) != 1:
             return None
-        limits = {w.dot_rows(kernels) for w in dots}
+        # one weight per (method, cap) asks: dot_rows depends on nothing else (a ctypes call each)
+        limits = {w.dot_rows(kernels) for w in {(w.method, w.max_level): w for w in dots}.values()}
         if any(limit is not None and rows > limit for limit in limits):
             return None
         address = ctypes.cast(kernels.dot_linear, ctypes.c_void_p).value
