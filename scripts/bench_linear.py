@@ -19,7 +19,8 @@ The "1B tok/s" lines add up one decoder layer's projections x 16 layers + the lm
 the tokens per second the linears alone allow (M tokens per step).
 
 Usage (from a clone): python scripts/bench_linear.py [--threads 2] [--rows 1,4,16,64]
-    [--shapes 2048x2048,...] [--formats f32,bf16,int8,int4,w8a8_int8,w4a8_int8,torch_int8,torch_int4] [--quick]
+    [--shapes 2048x2048,...] [--formats f32,bf16,int8,int4,w8a8_int8,w4a8_int8,torch_int8,torch_int4]
+    [--max-level avx512|avx2|portable] [--quick]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight  # noqa: E402
-from kvpager.model.backends.quant_kernels import load_quant_kernels  # noqa: E402
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels  # noqa: E402
 from kvpager.model.backends.quant_weights import Bf16Weight, Int4Weight, Int8Weight, PackedWeight  # noqa: E402
 
 SHAPES_1B = "2048x2048,2048x512,2048x8192,8192x2048,2048x32000"
@@ -52,6 +53,7 @@ DOT_ONLY = ("w8a8_int8_dot", "w4a8_int8_dot")
 # Also not in the default list: w4a8_int8 with its rows stored plain instead of interleaved four at a
 # time (kernels/int4_rows.h), the layout's before/after.
 PLAIN = ("w4a8_int8_plain",)
+LEVELS = {"avx512": LEVEL_AVX512, "avx2": LEVEL_AVX2, "portable": LEVEL_PORTABLE}  # --max-level
 
 
 @dataclass
@@ -66,42 +68,49 @@ def _copies(nbytes: int, min_mb: int) -> int:
     return max(1, -(-min_mb * 2**20 // max(1, nbytes)))
 
 
-def _packed(weight: PackedWeight, min_mb: int) -> tuple[int, Callable[[torch.Tensor, int], object], int]:
+def _packed(
+    weight: PackedWeight, min_mb: int, max_level: int | None = None
+) -> tuple[int, Callable[[torch.Tensor, int], object], int]:
+    weight.max_level = max_level
     n = _copies(weight.nbytes, min_mb)
     ws = [weight] + [copy.deepcopy(weight) for _ in range(n - 1)]
     return weight.nbytes, lambda x, i: ws[i].matmul(x, None), n
 
 
 def _dot_only(
-    weight: Int8DotWeight | Int4DotWeight, min_mb: int
+    weight: Int8DotWeight | Int4DotWeight, min_mb: int, max_level: int | None = None
 ) -> tuple[int, Callable[[torch.Tensor, int], object], int]:
+    weight.max_level = max_level
     n = _copies(weight.nbytes, min_mb)
     ws = [weight] + [copy.deepcopy(weight) for _ in range(n - 1)]
     return weight.nbytes, lambda x, i: ws[i].dot_kernel(x), n
 
 
-def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int) -> Candidate:
-    """One format's candidate for the float weight w [N, K]."""
+def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int, max_level: int | None = None) -> Candidate:
+    """One format's candidate for the float weight w [N, K]; kvpager's formats capped at kernel path
+    `max_level` (None: the CPU's best)."""
     if fmt == "f32":
         n = _copies(w.numel() * 4, min_mb)
         ws = [w.clone() for _ in range(n)]
         return Candidate(fmt, w.numel() * 4, lambda x, i: torch.nn.functional.linear(x, ws[i]), n)
     if fmt == "bf16":
-        return Candidate(fmt, *_packed(Bf16Weight(w.to(torch.bfloat16)), min_mb))
+        return Candidate(fmt, *_packed(Bf16Weight(w.to(torch.bfloat16)), min_mb, max_level))
     if fmt == "int8":
-        return Candidate(fmt, *_packed(Int8Weight.from_float(w), min_mb))
+        return Candidate(fmt, *_packed(Int8Weight.from_float(w), min_mb, max_level))
     if fmt == "int4":
-        return Candidate(f"int4_g{group}", *_packed(Int4Weight.from_float(w, group), min_mb))
+        return Candidate(f"int4_g{group}", *_packed(Int4Weight.from_float(w, group), min_mb, max_level))
     if fmt == "w8a8_int8":
-        return Candidate(fmt, *_packed(Int8DotWeight.from_float(w), min_mb))
+        return Candidate(fmt, *_packed(Int8DotWeight.from_float(w), min_mb, max_level))
     if fmt == "w4a8_int8":
-        return Candidate(f"w4a8_int8_g{group}", *_packed(Int4DotWeight.from_float(w, group), min_mb))
+        return Candidate(f"w4a8_int8_g{group}", *_packed(Int4DotWeight.from_float(w, group), min_mb, max_level))
     if fmt == "w4a8_int8_plain":
-        return Candidate(f"w4a8_int8_plain_g{group}", *_packed(Int4DotWeight.from_float(w, group, False), min_mb))
+        return Candidate(
+            f"w4a8_int8_plain_g{group}", *_packed(Int4DotWeight.from_float(w, group, False), min_mb, max_level)
+        )
     if fmt == "w8a8_int8_dot":
-        return Candidate(fmt, *_dot_only(Int8DotWeight.from_float(w), min_mb))
+        return Candidate(fmt, *_dot_only(Int8DotWeight.from_float(w), min_mb, max_level))
     if fmt == "w4a8_int8_dot":
-        return Candidate(f"w4a8_int8_dot_g{group}", *_dot_only(Int4DotWeight.from_float(w, group), min_mb))
+        return Candidate(f"w4a8_int8_dot_g{group}", *_dot_only(Int4DotWeight.from_float(w, group), min_mb, max_level))
     if fmt == "torch_int8":
         q = Int8Weight.from_float(w)
         n = _copies(q.nbytes, min_mb)
@@ -163,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-s", type=float, default=0.05, help="seconds per candidate per round")
     parser.add_argument("--min-mb", type=int, default=64, help="MiB of weight copies per candidate")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round (a smoke test)")
+    parser.add_argument(
+        "--max-level",
+        choices=sorted(LEVELS),
+        default=None,
+        help="cap kvpager's kernels at this path (default: the best)",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -178,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'K x N':>12} {'M':>3} {'candidate':>16} {'us/call':>10} {'GB/s':>7} {'GFLOP/s':>8} {'% read':>7}")
     for k, n in shapes:
         w = torch.randn(n, k) * 0.02
-        cands = [candidates(f, w, args.group, args.min_mb) for f in formats]
+        level = None if args.max_level is None else LEVELS[args.max_level]
+        cands = [candidates(f, w, args.group, args.min_mb, level) for f in formats]
         probes = {c.nbytes: probe(c.nbytes, args.min_mb) for c in cands}
         for m in rows:
             x = torch.randn(m, k)

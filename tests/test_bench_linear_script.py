@@ -55,3 +55,19 @@ def test_bench_linear_dot_candidates_run_the_integer_dot_past_the_row_rule() -> 
         out = cand.call(x, 0)
         assert torch.equal(out, weight.dot_kernel(x))  # the integer-dot kernel's bits, not the exact path's
         assert torch.allclose(out.double(), reference_matmul(weight, x), rtol=1e-4, atol=1e-4)
+
+
+def test_bench_linear_plain_candidate_stores_rows_plain_and_the_cap_reaches_the_weights() -> None:
+    import torch
+
+    module = _load_script()
+    torch.manual_seed(1)
+    w, x = torch.randn(64, 128) * 0.02, torch.randn(3, 128)
+    for level in (None, module.LEVELS["avx2"], module.LEVELS["portable"]):
+        mixed = module.candidates("w4a8_int8", w, 32, 1, level)
+        plain = module.candidates("w4a8_int8_plain", w, 32, 1, level)
+        assert plain.name == "w4a8_int8_plain_g32"
+        weight = module.Int4DotWeight.from_float(w, 32, interleave=False)
+        weight.max_level = level
+        assert torch.equal(plain.call(x, 0), weight.matmul(x, None))
+        assert torch.equal(mixed.call(x, 0), plain.call(x, 0))  # the layout changes no bit
