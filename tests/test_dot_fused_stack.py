@@ -16,7 +16,8 @@ import torch
 from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls, assert_fused_steps_equal_per_op
 
 from kvpager.model import load_model
-from kvpager.model.backends.fused_stack import has_quantized_weights
+from kvpager.model.backends.fused_stack import FusedLayerStack, has_quantized_weights
+from kvpager.model.backends.kernels.binding import KernelArgumentError
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import LEVEL_AVX2
 
@@ -65,3 +66,15 @@ def test_int8_activation_weights_capped_at_different_paths_run_layer_by_layer(
     for batch in _steps(llama_checkpoint)[:2]:
         harness.step(batch)
     assert fused_calls == [False, False]
+
+
+def test_the_layer_kernel_refuses_an_int8_activation_weight_without_the_dot_kernel(
+    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _load(llama_checkpoint, "w4a8_int8", 32)
+    monkeypatch.setattr(FusedLayerStack, "_dot_linear", lambda self, built, rows: (0, 0))
+    harness = PagedHarness(model, block_size=4)
+    steps = _steps(llama_checkpoint)
+    harness.step(steps[0])  # the prompts: layer by layer
+    with pytest.raises(KernelArgumentError, match="needs dot_linear"):
+        harness.step(steps[1])  # a decode step: the binding checks the table before the kernel runs

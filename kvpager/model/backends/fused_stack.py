@@ -211,14 +211,8 @@ class LayerTable:
     dot_weights: torch.Tensor
     halves: list[HalfWeight]
     dots: list[DotWeight]
-
-    @property
-    def all_blocked(self) -> bool:
-        return bool((self.table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
-
-    @property
-    def all_dot(self) -> bool:
-        return bool((self.table[:, LAYER_TABLE_ADDRESSES:] == DOT_LAYOUT).all())
+    all_blocked: bool  # every weight in column blocks
+    all_dot: bool  # every weight an int8-activation one
 
 
 def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
@@ -273,7 +267,9 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
     if all_eps != {eps}:
         return None
     table, dot_weights = torch.tensor(rows, dtype=torch.int64), torch.tensor(dot_rows, dtype=torch.int64)
-    return LayerTable(table, dot_weights.view(len(rows), 4, 4), halves, dots)
+    codes = table[:, LAYER_TABLE_ADDRESSES:]
+    all_blocked, all_dot = bool((codes > 0).all()), bool((codes == DOT_LAYOUT).all())
+    return LayerTable(table, dot_weights.view(len(rows), 4, 4), halves, dots, all_blocked, all_dot)
 
 
 def _read_tensor(weight: Any) -> Any:

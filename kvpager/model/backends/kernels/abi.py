@@ -23,6 +23,13 @@ LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
 LAYER_TABLE_ADDRESSES = 12  # addresses per layer; then the four weights' layouts (< 0: a packed 16-bit weight)
 DOT_LAYOUT = -1024  # a weight's layout code for kvq_dot_linear (int8 activations): kDotLayout in common.h
 
+
+def _layout_codes(t: Mapping[str, torch.Tensor]) -> list[int]:
+    """kvp_decode_layers' weight layout codes, as Python ints (one tensor op per call)."""
+    codes: list[int] = t["layers"][:, LAYER_TABLE_ADDRESSES:].flatten().tolist()
+    return codes
+
+
 Sym = Mapping[str, int]
 
 
@@ -309,21 +316,11 @@ SPECS: tuple[KernelSpec, ...] = (
         tensor_checks=(
             (
                 "a packed 16-bit weight in the layer table needs packed_linear (kvq_linear's address)",
-                lambda t, s: (
-                    s["packed_linear"] != 0
-                    or bool(
-                        (
-                            (t["layers"][:, LAYER_TABLE_ADDRESSES:] >= 0)
-                            | (t["layers"][:, LAYER_TABLE_ADDRESSES:] == DOT_LAYOUT)
-                        ).all()
-                    )
-                ),
+                lambda t, s: s["packed_linear"] != 0 or all(c >= 0 or c == DOT_LAYOUT for c in _layout_codes(t)),
             ),
             (
                 "an int8-activation weight in the layer table needs dot_linear (kvq_dot_linear's address)",
-                lambda t, s: (
-                    s["dot_linear"] != 0 or not bool((t["layers"][:, LAYER_TABLE_ADDRESSES:] == DOT_LAYOUT).any())
-                ),
+                lambda t, s: s["dot_linear"] != 0 or DOT_LAYOUT not in _layout_codes(t),
             ),
         ),
     ),
