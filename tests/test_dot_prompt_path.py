@@ -40,10 +40,12 @@ def kernels() -> None:
 
 
 def on_a_vnni_cpu_of(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
-    """The rule as a VNNI CPU of `vendor` applies it, on any CPU."""
+    """The rule as a VNNI CPU of `vendor` without native bf16 matmul applies it, on any CPU (with native
+    bf16 matmul prompts take the bf16 GEMM whatever the vendor: tests/test_bf16_prompt_path.py)."""
     monkeypatch.setattr(
         quant_dot, "dot_kernel_max_rows", lambda f, *_: REAL_RULE(f, LEVEL_AVX512, LEVEL_AVX512, vendor)
     )
+    monkeypatch.setattr(quant_dot, "native_bf16", lambda: False)
 
 
 def counting(monkeypatch: pytest.MonkeyPatch, weight: Any, calls: dict[str, int]) -> None:

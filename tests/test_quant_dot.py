@@ -23,12 +23,14 @@ from kvpager.engine.loading import log_weight_format
 from kvpager.model.backends import quant_dot
 from kvpager.model.backends.kernels.build import KernelBuildError
 from kvpager.model.backends.quant_dot import (
+    BF16_GEMM_AFTER_ROWS,
     DOT_KERNEL_MAX_ROWS,
     Int4DotWeight,
     Int8DotWeight,
     cpu_vendor,
     dot_kernel_max_rows,
     fake_quantize_activations,
+    native_bf16,
     quantize_activations,
     reference_matmul,
 )
@@ -144,6 +146,9 @@ def test_every_batch_size_and_the_torch_fallback_compute_the_same_quantized_prod
     fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _kernels_or_skip()
+    # (the bfloat16 GEMM that takes prompts on CPUs with native bf16 matmul computes another product:
+    # tests/test_bf16_prompt_path.py)
+    monkeypatch.setattr(quant_dot, "native_bf16", lambda: False)
     gen = torch.Generator().manual_seed(5)
     weight = FORMATS[fmt](torch.randn(70, 128, generator=gen) * 0.05)
     bias = torch.randn(70, generator=gen)
@@ -197,8 +202,10 @@ def test_the_dot_kernels_row_limit_follows_both_kernels_vector_width() -> None:
     assert weight.dot_rows(load_quant_kernels()) == DOT_KERNEL_MAX_ROWS
     if load_quant_kernels().dot_level(LEVEL_AVX512) == LEVEL_AVX512:
         weight.max_level = LEVEL_AVX512  # this CPU has the VNNI integer dot: every batch, or up to the
-        # prompts' limit on the vendors whose prompts take the GEMM path (tests/test_dot_prompt_path.py)
-        assert weight.dot_rows(load_quant_kernels()) == (KERNEL_MAX_ROWS if cpu_vendor() == "GenuineIntel" else None)
+        # prompts' limit where they take the bf16 GEMM (native bf16 matmul) or the exact GEMM path
+        # (Intel's vendor rule: tests/test_dot_prompt_path.py, tests/test_bf16_prompt_path.py)
+        expected = KERNEL_MAX_ROWS if cpu_vendor() == "GenuineIntel" else None
+        assert weight.dot_rows(load_quant_kernels()) == (BF16_GEMM_AFTER_ROWS if native_bf16() else expected)
 
 
 def test_activations_are_quantized_symmetric_per_block_of_32_round_half_to_even() -> None:

@@ -19,7 +19,7 @@ from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
-from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, cpu_vendor, dot_kernel_max_rows
+from kvpager.model.backends.quant_dot import DYNAMIC_METHODS, bf16_gemm_prompts, cpu_vendor, dot_kernel_max_rows
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Int8Weight
 from kvpager.model.dtypes import TORCH_DTYPES
@@ -231,7 +231,8 @@ def log_weight_format(
         if kernels is not None and dot_formats:
             level = kernels.default_level
             dot_level = int(kernels.dot_level(level))
-            limits = {f: dot_kernel_max_rows(f, level, dot_level, cpu_vendor()) for f in dot_formats}
+            bf16 = native_bf16_matmul_available()
+            limits = {f: dot_kernel_max_rows(f, level, dot_level, cpu_vendor(), bf16) for f in dot_formats}
             dot = kernels.describe_dot()
             if all(rows is None for rows in limits.values()):
                 path = f"{dot} at every batch size"
@@ -239,6 +240,8 @@ def log_weight_format(
                 rows_text = " / ".join(
                     f"{'every batch' if rows is None else f'up to {rows} rows'} ({f})" for f, rows in limits.items()
                 )
+                if bf16_gemm_prompts(dot_level, bf16):
+                    path = "bf16 GEMM (oneDNN) over the weights dequantized to bfloat16"
                 path = f"{dot} for {rows_text}, then the {path}"
         path += f"; CPU {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
         path += "yes" if native_bf16_matmul_available() else "no (AVX512-BF16/AMX absent: bf16 prefill emulated)"

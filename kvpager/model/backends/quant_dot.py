@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
 from kvpager.model.backends.quant_kernels import (
     LEVEL_AVX2,
     LEVEL_AVX512,
@@ -51,6 +52,13 @@ DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 # rule, not a timing at start-up: a timing taken while other engines loaded chose the slower path, and a
 # choice moving between starts would move logits (the two paths differ by float32 rounding).
 GEMM_PROMPT_VENDORS = frozenset({"GenuineIntel"})
+# On CPUs with native bfloat16 matmul (AVX512-BF16 / AMX: oneDNN's bf16 GEMM), batches of more than
+# BF16_GEMM_AFTER_ROWS rows go to the dequantized weight rounded to bfloat16 times the activations
+# rounded to bfloat16 in oneDNN (float32 accumulation, the result rounded to bfloat16: Bf16Weight's
+# arithmetic), whatever the vendor: on an AMD Zen 4 that GEMM is 1.4-2.0x the integer dot at 128-512
+# rows and level with it at 64 (BENCHMARKS.md). Not the integer-dot arithmetic: a prompt's rows carry
+# bfloat16 rounding where decode rows carry the int8 activations' (both stated in docs/internals.md).
+BF16_GEMM_AFTER_ROWS = 64
 DYNAMIC_METHODS = {"w8a8_int8": "int8", "w4a8_int8": "int4"}  # method -> the packed weight format it stores
 
 
@@ -79,14 +87,25 @@ def reference_matmul(weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor |
     return out + bias.double() if bias is not None else out
 
 
-def dot_kernel_max_rows(weight_format: str, exact_level: int, dot_level: int, vendor: str | None = None) -> int | None:
+def dot_kernel_max_rows(
+    weight_format: str, exact_level: int, dot_level: int, vendor: str | None = None, native_bf16: bool = False
+) -> int | None:
     """The most input rows the integer-dot kernel takes for a `weight_format` ("int8" | "int4") weight
     whose exact kernels run at `exact_level` and integer dot at `dot_level` (quant_kernels.LEVEL_*;
-    LEVEL_AVX512 for the dot: its VNNI build) on a CPU of `vendor` (x86 `vendor_id`); more rows take
-    the exact path. None: every batch."""
+    LEVEL_AVX512 for the dot: its VNNI build) on a CPU of `vendor` (x86 `vendor_id`), with native
+    bfloat16 matmul or not; more rows take the bfloat16 GEMM where `native_bf16`, else the exact path.
+    None: every batch."""
+    if bf16_gemm_prompts(dot_level, native_bf16):
+        return BF16_GEMM_AFTER_ROWS
     if dot_level == LEVEL_AVX512:
         return KERNEL_MAX_ROWS if vendor in GEMM_PROMPT_VENDORS else None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format] if exact_level == LEVEL_AVX2 else DOT_KERNEL_MAX_ROWS
+
+
+def bf16_gemm_prompts(dot_level: int, native_bf16: bool) -> bool:
+    """Whether batches past dot_kernel_max_rows take the bfloat16 GEMM (else the exact path): where the
+    integer dot runs its VNNI build (every CPU with AVX512-BF16 or AMX has VNNI) and native_bf16."""
+    return native_bf16 and dot_level == LEVEL_AVX512
 
 
 def read_cpu_vendor(cpuinfo: Path) -> str | None:
@@ -108,6 +127,12 @@ def cpu_vendor() -> str | None:
     return read_cpu_vendor(Path("/proc/cpuinfo"))
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """Whether oneDNN has native bfloat16 matmul here (AVX512-BF16 / AMX), asked once."""
+    return native_bf16_matmul_available()
+
+
 def check_dynamic_group(method: str, group: int, in_features: int) -> None:
     """Refuse a group size the integer-dot kernels cannot run (not a multiple of the activation block)."""
     per_channel = method == "w8a8_int8" and group == in_features
@@ -127,6 +152,9 @@ class _DynamicActivations(PackedWeight):
         kernels = quant_kernels_or_none() if x.device.type == "cpu" and self.device.type == "cpu" else None
         x2 = x.reshape(-1, self.in_features)
         limit = self.dot_rows(kernels) if kernels is not None else 0
+        if kernels is not None and limit is not None and x2.shape[0] > limit and self.bf16_prompts(kernels):
+            out = self.bf16_matmul(x2, bias)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if kernels is None or (limit is not None and x2.shape[0] > limit):
             # the same quantized activations (float32) through the exact packed-weight path (L1 tile / GEMM)
             out = self.exact_matmul(fake_quantize_activations(x.float()), bias)
@@ -141,7 +169,13 @@ class _DynamicActivations(PackedWeight):
         """The most input rows this weight sends to the integer-dot kernel here (dot_kernel_max_rows;
         None: every batch)."""
         level = self._level(kernels)
-        return dot_kernel_max_rows(DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)), cpu_vendor())
+        return dot_kernel_max_rows(
+            DYNAMIC_METHODS[self.method], level, int(kernels.dot_level(level)), cpu_vendor(), native_bf16()
+        )
+
+    def bf16_prompts(self, kernels: QuantKernels) -> bool:
+        """Whether batches past dot_rows take the bfloat16 GEMM here (bf16_gemm_prompts), else the exact path."""
+        return bf16_gemm_prompts(int(kernels.dot_level(self._level(kernels))), native_bf16())
 
     def dot_kernel(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x2 [M, in] through the integer-dot kernel at any M (its path: `max_level`) -> float32 [M, out]."""

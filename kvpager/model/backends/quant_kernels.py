@@ -65,6 +65,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_level": ([_I], ctypes.c_int64),
     "kvq_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], None),
     "kvq_dequant": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I], None),
+    "kvq_dequant_bf16": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I], None),
     "kvq_dot_level": ([_I], ctypes.c_int64),
     "kvq_dot_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int64),
 }
@@ -81,6 +82,7 @@ class QuantKernels:
     best_level: int  # the best path this CPU has (kvq_level uncapped), read once at load
     dot_linear: Any  # kvq_dot_linear: integer dot products (w8a8_int8 / w4a8_int8)
     dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX512: AVX-512 VNNI)
+    dequant_bf16: Any  # kvq_dequant_bf16: dequantized rows rounded to bfloat16 (the bf16 GEMM's operand)
 
     @property
     def default_level(self) -> int:
@@ -161,6 +163,7 @@ def load_quant_kernels() -> QuantKernels:
         int(lib.kvq_level(LEVEL_AVX512)),
         lib.kvq_dot_linear,
         lib.kvq_dot_level,
+        lib.kvq_dequant_bf16,
     )
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels

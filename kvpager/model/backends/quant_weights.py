@@ -42,6 +42,7 @@ from kvpager.model.backends.quant_kernels import (
     FMT_INT4_ROWS4,
     FMT_INT8,
     QuantKernels,
+    load_quant_kernels,
     quant_kernels_or_none,
 )
 
@@ -50,6 +51,7 @@ from kvpager.model.backends.quant_kernels import (
 KERNEL_MAX_ROWS = 128
 NATIVE_BF16_MIN_ROWS = 16  # from this many rows oneDNN's bf16 GEMM (AMX / AVX512-BF16) takes a bf16 weight
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
+BF16_CHUNK_BYTES = 4 << 20  # bytes of bfloat16 weight rows dequantized at a time for bf16_matmul
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
 INT4_ROW_GROUP, INT4_CHUNK = 4, 32  # interleaved int4: rows per group, bytes of a row per turn (int4_rows.h)
 QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
@@ -154,6 +156,31 @@ class PackedWeight:
                 n0, n1, buf.data_ptr(), torch.get_num_threads(), self._level(kernels),
             )  # fmt: skip
             out[:, n0:n1] = F.linear(xf, buf)
+        return out
+
+    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2 [M, in] @ w.T (+ bias) -> float32 [M, out] in bfloat16 arithmetic: the weight dequantized
+        and rounded to bfloat16 (kernels.dequant_bf16) BF16_CHUNK_BYTES at a time, x2 rounded to
+        bfloat16, oneDNN's bf16 GEMM on each chunk (float32 accumulation, the result rounded to
+        bfloat16), the bias added after in float32. The large-batch path where the CPU has native
+        bfloat16 matmul (AVX512-BF16 / AMX); on any other CPU torch computes the same, slowly. The
+        reference: F.linear(x2.bfloat16(), dequantize(torch.bfloat16)) in float32."""
+        kernels = load_quant_kernels()
+        xb = x2.to(torch.bfloat16).contiguous()
+        out = torch.empty((xb.shape[0], self.out_features), dtype=torch.float32)
+        chunk = max(16, min(self.out_features, BF16_CHUNK_BYTES // (2 * self.in_features)))
+        scratch = torch.empty((chunk, self.in_features), dtype=torch.bfloat16)
+        w, scales, offsets = self._pointers()
+        for n0 in range(0, self.out_features, chunk):
+            n1 = min(self.out_features, n0 + chunk)
+            buf = scratch[: n1 - n0]
+            kernels.dequant_bf16(
+                self.kernel_fmt(), w, scales, offsets, self.out_features, self.in_features, self.group_size,
+                n0, n1, buf.data_ptr(), torch.get_num_threads(), self._level(kernels),
+            )  # fmt: skip
+            out[:, n0:n1] = F.linear(xb, buf)
+        if bias is not None:
+            out += bias.float()
         return out
 
     def _pointers(self) -> tuple[int, int | None, int | None]:

@@ -15,6 +15,14 @@ inline float bf16_bits_to_float(uint16_t v) {
   return f;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (finite values: the dequantized weights).
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
 // float16 bits -> float32, exact, from the bit layout (no F16C needed): sign, 5-bit exponent (bias 15),
 // 10-bit mantissa; subnormals normalised, infinities and NaN kept.
 inline float f16_bits_to_float(uint16_t h) {

@@ -187,4 +187,19 @@ void kvq_dequant(int64_t fmt, const void* w, const void* scales, const float* of
   portable::dequant(p, n0, n1, out, threads);
 }
 
+// out [n1 - n0, K] bfloat16 bits = the dequantized weight rows n0..n1 rounded to bfloat16 (for a
+// bfloat16 GEMM on large batches where the CPU has native bfloat16 matmul).
+void kvq_dequant_bf16(int64_t fmt, const void* w, const void* scales, const float* offsets, int64_t N, int64_t K,
+                      int64_t group, int64_t n0, int64_t n1, uint16_t* out, int64_t num_threads, int64_t max_level) {
+  const Packed p = make_packed(fmt, w, scales, offsets, N, K, group);
+  const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
+  const int64_t level = level_for(max_level);
+#if defined(KVQ_X86)
+  if (level == kLevelAvx512) return avx512::dequant_bf16(p, n0, n1, out, threads);
+  if (level == kLevelAvx2) return avx2::dequant_bf16(p, n0, n1, out, threads);
+#endif
+  (void)level;
+  portable::dequant_bf16(p, n0, n1, out, threads);
+}
+
 }  // extern "C"
