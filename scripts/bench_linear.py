@@ -4,7 +4,7 @@ For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, the sam
 with int8 activations and integer dot products (w8a8_int8 / w4a8_int8: not exact), torch's
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`; on request, w8a8_int8_dot / w4a8_int8_dot: the
 integer-dot kernel at every M, where w8a8_int8 / w4a8_int8 hand batches past `dot_kernel_max_rows` to
-the exact path; w4a8_int8_plain: w4a8_int8 with its rows stored plain, not interleaved), each K x N shape (input x output features;
+the exact path, or to the bf16 GEMM on CPUs with native bf16 matmul; w4a8_int8_plain: w4a8_int8 with its rows stored plain, not interleaved), each K x N shape (input x output features;
 by default the linear shapes of Llama-3.2-1B: q/o, k/v, gate/up, down and a tied 32000-row lm_head)
 and each batch of M input rows, the script times y = x @ W.T and reports weight GB/s (weight bytes
 read per call / time), GFLOP/s (2 M N K / time) and the ratio to a read probe that sums a float32

@@ -6,11 +6,15 @@ bundled demo model never saw it. Each chapter is one document, scored teacher-fo
 own model (paged KV cache, prefill in chunks): perplexity = exp(mean next-token NLL); top-1
 agreement = share of positions where the format's argmax equals float32's. The quantized formats
 run with the lm_head int8 per output channel (kvpager's default, --quantize-lm-head);
---no-quantize-lm-head scores them with the lm_head in the format's dtype instead.
+--no-quantize-lm-head scores them with the lm_head in the format's dtype instead. Every position is
+a prompt row (chunks of 128), so on CPUs with native bf16 matmul the int8-activation formats run
+their prompt path there, the bf16 GEMM (docs/precision.md); --prompt-path integer-dot scores them
+with the int8 activations instead, as decode rows and CPUs without bf16 matmul compute.
 
     python scripts/quant_accuracy.py                      # the demo model, every format
     python scripts/quant_accuracy.py --model DIR --formats float32,int4-g32 --json
     python scripts/quant_accuracy.py --no-quantize-lm-head          # the lm_head left in the dtype
+    python scripts/quant_accuracy.py --prompt-path integer-dot      # w8a8 / w4a8 prompts without bf16 GEMM
 """
 
 from __future__ import annotations
@@ -121,8 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="quantized formats: the lm_head int8 per output channel (default, as kvpager serve) or in the dtype",
     )
+    p.add_argument(
+        "--prompt-path",
+        choices=("auto", "integer-dot"),
+        default="auto",
+        help="int8-activation formats: the prompt path this CPU takes (auto: the bf16 GEMM past 64 rows "
+        "where oneDNN has native bf16 matmul) or the integer dot at every chunk, as on CPUs without it",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.prompt_path == "integer-dot":
+        from kvpager.model.backends import quant_dot
+
+        quant_dot.native_bf16.cache_clear()
+        quant_dot.native_bf16 = lambda: False  # type: ignore[assignment]
     names = [n.strip() for n in args.formats.split(",") if n.strip()]
     unknown = [n for n in names if n not in FORMATS]
     if unknown:
