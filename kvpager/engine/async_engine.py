@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from kvpager.core.outputs import RequestOutput
 from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.openmp_pool import release_thread_pool
 from kvpager.engine.streams import RequestStream, resolve_soon
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
@@ -125,8 +126,11 @@ class AsyncEngine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the loop thread (idempotent)."""
+        """Start the loop thread (idempotent). The calling thread (the one that built the engine, as a
+        rule) first hands back its OpenMP workers, so that only the loop thread's are counted while it
+        steps (kvpager.engine.openmp_pool)."""
         if self._thread is None:
+            release_thread_pool()
             self._thread = threading.Thread(target=self._run, name="kvpager-engine-loop", daemon=True)
             self._thread.start()
 

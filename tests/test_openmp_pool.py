@@ -1,0 +1,78 @@
+"""Releasing a thread's OpenMP workers before the engine loop thread takes over (kvpager.engine.openmp_pool)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpager.engine import async_engine as async_engine_module
+from kvpager.engine.openmp_pool import release_thread_pool
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_sum() -> float:
+    # large enough for torch's parallel_for to start an OpenMP team (its grain is 32768 elements)
+    return float(torch.ones(1 << 22).sum())
+
+
+def test_release_hands_back_the_calling_threads_workers_and_openmp_still_works() -> None:
+    if (os.cpu_count() or 1) < 2 or not Path("/proc/self/task").is_dir():
+        pytest.skip(f"needs 2+ CPUs and /proc to see OpenMP workers (cpu_count {os.cpu_count()})")
+    seen: dict[str, object] = {}
+
+    def in_a_fresh_thread() -> None:  # a thread of its own: its pool is the only one it touches
+        torch.set_num_threads(2)
+        before = _threads()
+        seen["sum"] = _parallel_sum()
+        seen["with_pool"] = _threads() - before  # this thread's new worker
+        seen["released"] = release_thread_pool()
+        seen["after_release"] = _threads() - before  # joined by the runtime before it returns
+        seen["sum_again"] = _parallel_sum()  # the pool is rebuilt on demand
+        seen["rebuilt"] = _threads() - before
+
+    thread = threading.Thread(target=in_a_fresh_thread)
+    thread.start()
+    thread.join()
+    assert seen["sum"] == seen["sum_again"] == float(1 << 22)
+    assert seen["with_pool"] == 1, seen
+    assert seen["released"] is True, "torch's libgomp has OpenMP 5.0's omp_pause_resource_all"
+    assert seen["after_release"] == 0, seen
+    assert seen["rebuilt"] == 1, seen
+
+
+def test_a_thread_without_a_pool_releases_nothing_and_fails_nothing() -> None:
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.extend([release_thread_pool(), release_thread_pool()]))
+    thread.start()
+    thread.join()
+    assert results == [True, True]
+
+
+def test_the_async_engine_releases_the_starting_threads_pool_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(async_engine_module, "release_thread_pool", lambda: calls.append(1) or True)
+
+    class Idle:  # an engine with no work: the loop thread sleeps on its condition
+        def has_unfinished_requests(self) -> bool:
+            return False
+
+        def stats(self) -> None:
+            return None
+
+        def shutdown(self) -> None:
+            pass
+
+    engine = async_engine_module.AsyncEngine(Idle())
+    engine.start()
+    engine.start()  # idempotent: no second thread, no second release
+    try:
+        assert calls == [1]
+    finally:
+        engine.shutdown()
