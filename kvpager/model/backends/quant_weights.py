@@ -30,6 +30,7 @@ not fast. `dequantize()` is the torch reference the tests hold the kernels to.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,20 +144,8 @@ class PackedWeight:
 
     def _gemm(self, x2: torch.Tensor, kernels: QuantKernels) -> torch.Tensor:
         """Large batches: dequantize DEQUANT_CHUNK_ROWS output rows at a time, torch's GEMM on each."""
-        xf = x2.float().contiguous()
-        out = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
         chunk = min(DEQUANT_CHUNK_ROWS, self.out_features)
-        scratch = torch.empty((chunk, self.in_features), dtype=torch.float32)
-        w, scales, offsets = self._pointers()
-        for n0 in range(0, self.out_features, chunk):
-            n1 = min(self.out_features, n0 + chunk)
-            buf = scratch[: n1 - n0]
-            kernels.dequant(
-                self.kernel_fmt(), w, scales, offsets, self.out_features, self.in_features, self.group_size,
-                n0, n1, buf.data_ptr(), torch.get_num_threads(), self._level(kernels),
-            )  # fmt: skip
-            out[:, n0:n1] = F.linear(xf, buf)
-        return out
+        return self._chunked_gemm(x2.float().contiguous(), kernels.dequant, chunk, kernels)
 
     def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x2 [M, in] @ w.T (+ bias) -> float32 [M, out] in bfloat16 arithmetic: the weight dequantized
@@ -166,21 +155,26 @@ class PackedWeight:
         bfloat16 matmul (AVX512-BF16 / AMX); on any other CPU torch computes the same, slowly. The
         reference: F.linear(x2.bfloat16(), dequantize(torch.bfloat16)) in float32."""
         kernels = load_quant_kernels()
-        xb = x2.to(torch.bfloat16).contiguous()
-        out = torch.empty((xb.shape[0], self.out_features), dtype=torch.float32)
         chunk = max(16, min(self.out_features, BF16_CHUNK_BYTES // (2 * self.in_features)))
-        scratch = torch.empty((chunk, self.in_features), dtype=torch.bfloat16)
+        out = self._chunked_gemm(x2.to(torch.bfloat16).contiguous(), kernels.dequant_bf16, chunk, kernels)
+        if bias is not None:
+            out += bias.float()
+        return out
+
+    def _chunked_gemm(self, x: torch.Tensor, dequant: Any, chunk: int, kernels: QuantKernels) -> torch.Tensor:
+        """float32 x @ w.T, `chunk` output rows of the weight dequantized at a time by `dequant` (a
+        kernels entry writing x's dtype) into one scratch, torch's GEMM on each."""
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        scratch = torch.empty((chunk, self.in_features), dtype=x.dtype)
         w, scales, offsets = self._pointers()
         for n0 in range(0, self.out_features, chunk):
             n1 = min(self.out_features, n0 + chunk)
             buf = scratch[: n1 - n0]
-            kernels.dequant_bf16(
+            dequant(
                 self.kernel_fmt(), w, scales, offsets, self.out_features, self.in_features, self.group_size,
                 n0, n1, buf.data_ptr(), torch.get_num_threads(), self._level(kernels),
             )  # fmt: skip
-            out[:, n0:n1] = F.linear(xb, buf)
-        if bias is not None:
-            out += bias.float()
+            out[:, n0:n1] = F.linear(x, buf)
         return out
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
