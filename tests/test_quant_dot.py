@@ -45,6 +45,12 @@ from kvpager.model.backends.quant_weights import (
 )
 from kvpager.planner.weights import quantized_matrix_bytes
 
+
+def _half_scales(weight: Int8DotWeight) -> Int8DotWeight:
+    """The same weight holding float16 scales (rounded), as GGUF files' blocks do."""
+    return Int8DotWeight(weight.qweight, weight.scales.half(), weight.group_size)
+
+
 BATCHES = [1, 3, 16, 64]
 # N not a multiple of the 4-row tile; K a multiple of 32 but not of the group (96, 160 with g64/g128);
 # K not a multiple of 32 at all (200: int8 per channel, and int4 whose last group is 8 wide)
@@ -53,6 +59,7 @@ FORMATS = {
     "w8a8_channel": lambda w: Int8DotWeight.from_float(w),
     "w8a8_g32": lambda w: Int8DotWeight.from_float(w, 32),
     "w8a8_g16": lambda w: Int8DotWeight.from_float(w, 16),  # two scales per block (GGUF Q6_K)
+    "w8a8_g16_f16_scales": lambda w: _half_scales(Int8DotWeight.from_float(w, 16)),
     "w8a8_g64": lambda w: Int8DotWeight.from_float(w, 64),
     "w4a8_g32": lambda w: Int4DotWeight.from_float(w, 32),
     "w4a8_g64": lambda w: Int4DotWeight.from_float(w, 64),
@@ -123,8 +130,14 @@ def test_portable_avx2_and_vnni_integer_dot_paths_agree_bit_for_bit_bar_vnni_blo
             weight.max_level = LEVEL_PORTABLE
             portable = weight.dot_kernel(x)
             for level in levels:
-                if level == LEVEL_AVX512 and fmt in ("w8a8_g32", "w4a8_g32", "w4a8_g32_symmetric"):
-                    continue  # VNNI pairs the blocks of group 32 (other rounding; held to the reference above)
+                if level == LEVEL_AVX512 and fmt in (
+                    "w8a8_g32",
+                    "w8a8_g16",
+                    "w8a8_g16_f16_scales",
+                    "w4a8_g32",
+                    "w4a8_g32_symmetric",
+                ):
+                    continue  # VNNI pairs the blocks of groups 32 and 16 (other rounding; held to the reference above)
                 weight.max_level = level
                 assert torch.equal(weight.dot_kernel(x), portable), (n, k, rows, level)
 

@@ -368,6 +368,16 @@ struct Vnni : Avx2 {
   static __m512 spread_i8(const SC* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)); }
   template <class SC>
   static __m512 spread_i4(const SC* f) { return spread(f, _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)); }
+  // The four group-16 scales at f (blocks b and b + 1, two halves each), each over its four lanes.
+  template <class SC>
+  static __m512 spread_halves(const SC* f) {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(four(f)));
+  }
+  static __m128 four(const float* f) { return _mm_loadu_ps(f); }
+  static __m128 four(const uint16_t* f) {
+    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f)));
+  }
   static __m512 spread(const float* f, __m512i idx) {
     const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
