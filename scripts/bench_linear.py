@@ -4,7 +4,7 @@ For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, the sam
 with int8 activations and integer dot products (w8a8_int8 / w4a8_int8: not exact), torch's
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`; on request, w8a8_int8_dot / w4a8_int8_dot: the
 integer-dot kernel at every M, where w8a8_int8 / w4a8_int8 hand batches past `dot_kernel_max_rows` to
-the exact path, or to the bf16 GEMM on CPUs with native bf16 matmul; w4a8_int8_plain: w4a8_int8 with its rows stored plain, not interleaved), each K x N shape (input x output features;
+the exact path, or to the bf16 GEMM on CPUs with native bf16 matmul; w4a8_int8_plain / w8a8_int8_plain: w4a8_int8 / w8a8_int8 with their rows stored plain, not interleaved), each K x N shape (input x output features;
 by default the linear shapes of Llama-3.2-1B: q/o, k/v, gate/up, down and a tied 32000-row lm_head)
 and each batch of M input rows, the script times y = x @ W.T and reports weight GB/s (weight bytes
 read per call / time), GFLOP/s (2 M N K / time) and the ratio to a read probe that sums a float32
@@ -20,7 +20,7 @@ the tokens per second the linears alone allow (M tokens per step).
 
 Usage (from a clone): python scripts/bench_linear.py [--threads 2] [--rows 1,4,16,64]
     [--shapes 2048x2048,...] [--formats f32,bf16,int8,int4,w8a8_int8,w4a8_int8,torch_int8,torch_int4]
-    [--max-level avx512|avx2|portable] [--quick]
+    [--max-level avx512|avx2|portable] [--int8-group 32] [--quick]
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ FORMATS = ("f32", "bf16", "int8", "int4", "w8a8_int8", "w4a8_int8", "torch_int8"
 # Not in the default list: the integer-dot kernel at every M, whatever dot_kernel_max_rows says (the
 # numbers that rule is set from).
 DOT_ONLY = ("w8a8_int8_dot", "w4a8_int8_dot")
-# Also not in the default list: w4a8_int8 with its rows stored plain instead of interleaved four at a
-# time (kernels/int4_rows.h), the layout's before/after.
-PLAIN = ("w4a8_int8_plain",)
+# Also not in the default list: w4a8_int8 / w8a8_int8 with their rows stored plain instead of interleaved
+# four at a time (kernels/int4_rows.h), the layout's before/after (w8a8_int8 interleaves only where the
+# integer dot's path is below VNNI).
+PLAIN = ("w4a8_int8_plain", "w8a8_int8_plain")
 LEVELS = {"avx512": LEVEL_AVX512, "avx2": LEVEL_AVX2, "portable": LEVEL_PORTABLE}  # --max-level
 
 
@@ -86,9 +87,12 @@ def _dot_only(
     return weight.nbytes, lambda x, i: ws[i].dot_kernel(x), n
 
 
-def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int, max_level: int | None = None) -> Candidate:
+def candidates(
+    fmt: str, w: torch.Tensor, group: int, min_mb: int, max_level: int | None = None, int8_group: int | None = None
+) -> Candidate:
     """One format's candidate for the float weight w [N, K]; kvpager's formats capped at kernel path
-    `max_level` (None: the CPU's best)."""
+    `max_level` (None: the CPU's best); int4 in groups of `group`, int8 of `int8_group` (None: per channel)."""
+    g8 = "" if int8_group is None else f"_g{int8_group}"
     if fmt == "f32":
         n = _copies(w.numel() * 4, min_mb)
         ws = [w.clone() for _ in range(n)]
@@ -96,11 +100,13 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int, max_level: in
     if fmt == "bf16":
         return Candidate(fmt, *_packed(Bf16Weight(w.to(torch.bfloat16)), min_mb, max_level))
     if fmt == "int8":
-        return Candidate(fmt, *_packed(Int8Weight.from_float(w), min_mb, max_level))
+        return Candidate(fmt + g8, *_packed(Int8Weight.from_float(w, int8_group), min_mb, max_level))
     if fmt == "int4":
         return Candidate(f"int4_g{group}", *_packed(Int4Weight.from_float(w, group), min_mb, max_level))
     if fmt == "w8a8_int8":
-        return Candidate(fmt, *_packed(Int8DotWeight.from_float(w), min_mb, max_level))
+        return Candidate(fmt + g8, *_packed(Int8DotWeight.from_float(w, int8_group), min_mb, max_level))
+    if fmt == "w8a8_int8_plain":
+        return Candidate(fmt + g8, *_packed(Int8DotWeight.from_float(w, int8_group, False), min_mb, max_level))
     if fmt == "w4a8_int8":
         return Candidate(f"w4a8_int8_g{group}", *_packed(Int4DotWeight.from_float(w, group), min_mb, max_level))
     if fmt == "w4a8_int8_plain":
@@ -108,7 +114,7 @@ def candidates(fmt: str, w: torch.Tensor, group: int, min_mb: int, max_level: in
             f"w4a8_int8_plain_g{group}", *_packed(Int4DotWeight.from_float(w, group, False), min_mb, max_level)
         )
     if fmt == "w8a8_int8_dot":
-        return Candidate(fmt, *_dot_only(Int8DotWeight.from_float(w), min_mb, max_level))
+        return Candidate(fmt + g8, *_dot_only(Int8DotWeight.from_float(w, int8_group), min_mb, max_level))
     if fmt == "w4a8_int8_dot":
         return Candidate(f"w4a8_int8_dot_g{group}", *_dot_only(Int4DotWeight.from_float(w, group), min_mb, max_level))
     if fmt == "torch_int8":
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=SHAPES_1B, help="K x N list (input x output features)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--group", type=int, default=32, help="int4 group size")
+    parser.add_argument("--int8-group", type=int, default=None, help="int8 group size (default: per channel)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--min-s", type=float, default=0.05, help="seconds per candidate per round")
     parser.add_argument("--min-mb", type=int, default=64, help="MiB of weight copies per candidate")
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, n in shapes:
         w = torch.randn(n, k) * 0.02
         level = None if args.max_level is None else LEVELS[args.max_level]
-        cands = [candidates(f, w, args.group, args.min_mb, level) for f in formats]
+        cands = [candidates(f, w, args.group, args.min_mb, level, args.int8_group) for f in formats]
         probes = {c.nbytes: probe(c.nbytes, args.min_mb) for c in cands}
         for m in rows:
             x = torch.randn(m, k)

@@ -60,7 +60,7 @@ def kernels() -> None:
 
 
 def _half_scales_int8(weight: Int8DotWeight) -> Int8DotWeight:
-    return Int8DotWeight(weight.qweight, weight.scales.half(), weight.group_size)
+    return Int8DotWeight(weight.plain_qweight(), weight.scales.half(), weight.group_size)
 
 
 def _bf16_rows(weight: PackedWeight, level: int) -> torch.Tensor:

@@ -15,9 +15,9 @@ import torch
 from symmetric_int4 import symmetric_int4
 
 from kvpager.model.backends.kernels.build import KernelBuildError
-from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
+from kvpager.model.backends.quant_dot import Int4DotWeight
 from kvpager.model.backends.quant_kernels import (
-    FMT_INT4_ROWS4,
+    FMT_ROWS4,
     LEVEL_AVX2,
     LEVEL_PORTABLE,
     load_quant_kernels,
@@ -62,7 +62,7 @@ def test_weights_whose_rows_are_not_whole_chunks_or_a_group_stay_plain(rows: int
     w = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
     weight = Int4Weight.from_float(w, 32, interleave=True)
     assert not weight.interleaved
-    assert weight.kernel_fmt() & FMT_INT4_ROWS4 == 0
+    assert weight.kernel_fmt() & FMT_ROWS4 == 0
     assert torch.equal(weight.packed, Int4Weight.from_float(w, 32).packed)
 
 
@@ -130,11 +130,3 @@ def test_concatenated_interleaved_parts_interleave_the_joined_rows(rows: tuple[i
     assert torch.equal(joined.packed, whole.packed)
     x = torch.randn(3, 128, generator=gen)
     assert torch.equal(joined.matmul(x, None), whole.matmul(x, None))
-
-
-def test_the_dot_kernel_refuses_the_interleaved_bit_on_int8_weights() -> None:
-    _kernels_or_skip()
-    weight = Int8DotWeight.from_float(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)), 32)
-    weight.kernel_fmt = lambda: Int8DotWeight.kernel_fmt(weight) | FMT_INT4_ROWS4  # type: ignore[method-assign]
-    with pytest.raises(ValueError, match="interleaved rows int4 only"):
-        weight.matmul(torch.randn(1, 64), None)

@@ -48,7 +48,7 @@ from kvpager.planner.weights import quantized_matrix_bytes
 
 def _half_scales(weight: Int8DotWeight) -> Int8DotWeight:
     """The same weight holding float16 scales (rounded), as GGUF files' blocks do."""
-    return Int8DotWeight(weight.qweight, weight.scales.half(), weight.group_size)
+    return Int8DotWeight(weight.plain_qweight(), weight.scales.half(), weight.group_size)
 
 
 BATCHES = [1, 3, 16, 64]

@@ -84,7 +84,7 @@ def test_quantized_lm_head_logits_equal_the_dequantize_then_matmul_reference(
     # table for the lookup) or the checkpoint's own lm_head
     source = model.embed_tokens.weight if tied else load_file(checkpoint / "model.safetensors")["lm_head.weight"]
     assert model.embed_tokens.weight.dtype == torch.float32
-    assert torch.equal(weight.qweight, Int8Weight.from_float(source.float()).qweight)
+    assert torch.equal(weight.plain_qweight(), Int8Weight.from_float(source.float()).qweight)
     hidden = torch.cat([_final_hidden(model)] * 3)  # NOTE: 36 rows pass every integer-dot row limit
     for rows in (1, 3, len(PROMPT), hidden.shape[0]):
         x = hidden[:rows]

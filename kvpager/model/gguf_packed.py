@@ -80,6 +80,9 @@ class AffineInt8Weight(PackedWeight):
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (*self.inner.tensors(), self.offsets)
 
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.inner.digest_tensors(), self.offsets)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         offsets = self.offsets.repeat_interleave(self.group_size, dim=1)
         return (self.inner.dequantize() + offsets).to(dtype)

@@ -193,7 +193,7 @@ class _DynamicActivations(PackedWeight):
         if rc != 0:
             raise ValueError(
                 f"{self.method}: the integer-dot kernel refused format {self.kernel_fmt()} with group size "
-                f"{self.group_size} (groups must be multiples of 32 or the whole row; interleaved rows int4 only)"
+                f"{self.group_size} (groups must be multiples of 32 or the whole row)"
             )
         return out
 
@@ -202,10 +202,17 @@ class Int8DotWeight(_DynamicActivations, Int8Weight):
     """int8 weights (symmetric, as Int8Weight) times int8 activations quantized per block of 32."""
 
     method = "w8a8_int8"
+    # rows four at a time (kernels/int4_rows.h), as Int4DotWeight, where the integer dot's path is AVX2 or
+    # portable: the VNNI build reads int8 blocks in 512-bit pairs of plain rows and has no interleaved form
+    INTERLEAVE = True
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, interleave: bool | None = None
+    ) -> None:
         check_dynamic_group(self.method, group_size, qweight.shape[1])
-        super().__init__(qweight, scales, group_size)
+        if interleave is None:
+            interleave = self.INTERLEAVE and _int8_rows_interleave_here()
+        super().__init__(qweight, scales, group_size, interleave)
 
 
 class Int4DotWeight(_DynamicActivations, Int4Weight):
@@ -227,6 +234,12 @@ class Int4DotWeight(_DynamicActivations, Int4Weight):
     ) -> None:
         check_dynamic_group(self.method, group_size, in_features)
         super().__init__(packed, scales, offsets, group_size, in_features, interleave)
+
+
+def _int8_rows_interleave_here() -> bool:
+    """Whether interleaved int8 rows pay on this CPU: the integer dot's default path is below VNNI."""
+    kernels = quant_kernels_or_none()
+    return kernels is not None and int(kernels.dot_level(kernels.default_level)) < LEVEL_AVX512
 
 
 def quantize_dynamic(weight: torch.Tensor, method: str, group_size: int | None) -> PackedWeight:

@@ -49,7 +49,7 @@ FLAGS = (
 FMT_BF16, FMT_INT8, FMT_INT4 = 0, 1, 2
 FMT_F16 = 3  # IEEE float16 weights (kFmtF16 in quant.cpp)
 FMT_HALF_SCALES = 256  # or'ed into an int8 / int4 format: its scales are IEEE float16 (kHalfScales)
-FMT_INT4_ROWS4 = 512  # or'ed into int4: rows interleaved four at a time (kernels/int4_rows.h, kRowsBit)
+FMT_ROWS4 = 512  # or'ed into int4 / int8: rows interleaved four at a time (kernels/int4_rows.h, kRowsBit)
 LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512 = 0, 1, 2
 LEVEL_NAMES = {LEVEL_AVX512: "AVX-512", LEVEL_AVX2: "AVX2+FMA", LEVEL_PORTABLE: "portable C++"}
 

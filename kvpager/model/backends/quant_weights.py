@@ -8,6 +8,8 @@ weight that is not a tensor to its own `matmul(x, bias)`. Formats (docs/internal
 - `Int8Weight`: symmetric, w = q * scale, q in [-127, 127] int8, one scale per output channel and group
   of `group_size` input features (per output channel: group_size = in_features).
   GGUF Q8_0 (blocks of 32 int8 with an fp16 scale) is `Int8Weight(qs, d, 32)` exactly, d float16.
+  Rows may be stored interleaved as int4's are (below; `qweight`-taking APIs and `plain_qweight` use
+  the plain layout).
 - `Int4Weight`: asymmetric, w = code * scale + offset, code in [0, 15], a scale and a float32 offset per
   output channel and group (group_size a multiple of 16); or symmetric (offsets None), w = (code - 8) *
   scale, which holds no offsets. GGUF Q4_0 (w = (q - 8) * d) is `Int4Weight.from_codes(q, d, None, 32)`
@@ -40,8 +42,8 @@ from kvpager.model.backends.quant_kernels import (
     FMT_F16,
     FMT_HALF_SCALES,
     FMT_INT4,
-    FMT_INT4_ROWS4,
     FMT_INT8,
+    FMT_ROWS4,
     QuantKernels,
     load_quant_kernels,
     quant_kernels_or_none,
@@ -54,7 +56,7 @@ NATIVE_BF16_MIN_ROWS = 16  # from this many rows oneDNN's bf16 GEMM (AMX / AVX51
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 BF16_CHUNK_BYTES = 4 << 20  # bytes of bfloat16 weight rows dequantized at a time for bf16_matmul
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
-INT4_ROW_GROUP, INT4_CHUNK = 4, 32  # interleaved int4: rows per group, bytes of a row per turn (int4_rows.h)
+ROW_GROUP, ROW_CHUNK = 4, 32  # interleaved int4 / int8: rows per group, bytes of a row per turn (int4_rows.h)
 QUANTIZE_CHUNK_ROWS = 256  # rows quantized at a time (bounds the float32 scratch while loading)
 
 
@@ -264,21 +266,36 @@ def _stored_scales(scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Weight(_ScaledWeight):
-    """Symmetric int8, group-wise along the input (group_size = in_features: per output channel)."""
+    """Symmetric int8, group-wise along the input (group_size = in_features: per output channel).
+
+    `qweight` is given in the plain layout; `interleave` (None: the class's INTERLEAVE) stores its rows
+    interleaved four at a time where they are whole 32-byte chunks, as Int4Weight does."""
 
     fmt, method = FMT_INT8, "int8"
+    INTERLEAVE = False
+    # longer rows stay plain whatever `interleave` says: four rows of 8 KB (K = 8192) are streams long
+    # enough for the hardware prefetcher, and interleaved they read slower at batch 1 (rows of 2 KB, faster)
+    INTERLEAVE_MAX_ROW_BYTES = 4096
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, interleave: bool | None = None
+    ) -> None:
         super().__init__()
         out_features, in_features = qweight.shape
         _check_groups(qweight, scales, group_size, in_features, "Int8Weight")
         if qweight.dtype != torch.int8:
             raise ValueError(f"Int8Weight needs int8 values, got {qweight.dtype}")
-        self.qweight, self.scales = qweight.contiguous(), _stored_scales(scales)
+        self.interleave = self.INTERLEAVE if interleave is None else interleave
+        short = in_features <= self.INTERLEAVE_MAX_ROW_BYTES
+        self.interleaved = self.interleave and short and _interleavable(qweight)
+        self.qweight = interleave_rows(qweight) if self.interleaved else qweight.contiguous()
+        self.scales = _stored_scales(scales)
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+    def from_float(
+        cls, weight: torch.Tensor, group_size: int | None = None, interleave: bool | None = None
+    ) -> Int8Weight:
         """Round-to-nearest: scale = max|w| / 127 per group (a zero group gets scale 1)."""
         out_features, in_features = weight.shape
         group = group_size or in_features
@@ -295,14 +312,24 @@ class Int8Weight(_ScaledWeight):
                 w.div_(s[..., None]).round_().clamp_(-127, 127).flatten(1)[:, :in_features].to(torch.int8)
             )
             scales[r0 : r0 + QUANTIZE_CHUNK_ROWS] = s
-        return cls(q, scales, group)
+        return cls(q, scales, group, interleave)
+
+    def kernel_fmt(self) -> int:
+        return super().kernel_fmt() | (FMT_ROWS4 if self.interleaved else 0)
+
+    def plain_qweight(self) -> torch.Tensor:
+        """The values [N, K] int8 in the plain layout (a copy where stored interleaved)."""
+        return plain_rows(self.qweight) if self.interleaved else self.qweight
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.scales)
 
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain_qweight(), self.scales)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
-        return (self.qweight.float() * scales).to(dtype)
+        return (self.plain_qweight().float() * scales).to(dtype)
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
         return self.qweight.data_ptr(), self.scales.data_ptr(), None
@@ -386,7 +413,7 @@ class Int4Weight(_ScaledWeight):
         return cls(packed, scales, offsets, group_size, in_features, interleave)
 
     def kernel_fmt(self) -> int:
-        return super().kernel_fmt() | (FMT_INT4_ROWS4 if self.interleaved else 0)
+        return super().kernel_fmt() | (FMT_ROWS4 if self.interleaved else 0)
 
     def plain_packed(self) -> torch.Tensor:
         """The packed codes [N, ceil(K / 16) * 8] in the plain layout (a copy where stored interleaved)."""
@@ -428,24 +455,34 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         return first
     if isinstance(first, Int8Weight):  # NOTE: type(first): a subclass (quant_dot.py's) stays itself
         i8 = [p for p in parts if isinstance(p, Int8Weight)]
-        return type(first)(torch.cat([p.qweight for p in i8]), _cat_scales(i8), first.group_size)
+        scales8, group8 = _cat_scales(i8), first.group_size
+        if _parts_join_interleaved(i8):
+            joined8 = type(first)(torch.cat([p.qweight for p in i8]), scales8, group8, interleave=False)
+            joined8.interleave = joined8.interleaved = True
+            return joined8
+        return type(first)(torch.cat([p.plain_qweight() for p in i8]), scales8, group8, first.interleave)
     if isinstance(first, Int4Weight):
         i4 = [p for p in parts if isinstance(p, Int4Weight)]
         # symmetric parts stay offset-free together; beside asymmetric ones they get their -8 * scale
         offsets = None if all(p.symmetric for p in i4) else torch.cat([p.group_offsets() for p in i4])
         scales, group, k = _cat_scales(i4), first.group_size, first.in_features
-        if (
-            first.interleave
-            and all(p.interleaved for p in i4)
-            and all(p.out_features % INT4_ROW_GROUP == 0 for p in i4[:-1])
-        ):
-            # every part's groups of four start at a multiple of four in the joined rows: the stored
-            # parts joined are the joined rows interleaved (no plain copies while loading)
+        if _parts_join_interleaved(i4):
             joined = type(first)(torch.cat([p.packed for p in i4]), scales, offsets, group, k, interleave=False)
             joined.interleave = joined.interleaved = True
             return joined
         return type(first)(torch.cat([p.plain_packed() for p in i4]), scales, offsets, group, k, first.interleave)
     raise TypeError(f"cannot concatenate {type(first).__name__}")
+
+
+def _parts_join_interleaved(parts: list[Int8Weight] | list[Int4Weight]) -> bool:
+    """Whether the stored parts, joined, are the joined rows interleaved: every part interleaved (the
+    first asking for it) and every part's groups of four starting at a multiple of four in the joined
+    rows, so loading makes no plain copies."""
+    return (
+        parts[0].interleave
+        and all(p.interleaved for p in parts)
+        and all(p.out_features % ROW_GROUP == 0 for p in parts[:-1])
+    )
 
 
 def _cat_scales(parts: list[Int8Weight] | list[Int4Weight]) -> torch.Tensor:
@@ -479,12 +516,13 @@ def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _interleavable(packed: torch.Tensor) -> bool:
-    """Whether int4 rows `packed` [N, row_bytes] can interleave: whole 32-byte chunks, a group of four."""
-    return packed.shape[1] % INT4_CHUNK == 0 and packed.shape[0] >= INT4_ROW_GROUP
+    """Whether rows `packed` [N, row_bytes] (int4 bytes or int8 values) can interleave: whole 32-byte
+    chunks, a group of four."""
+    return packed.shape[1] % ROW_CHUNK == 0 and packed.shape[0] >= ROW_GROUP
 
 
 def interleave_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Plain int4 rows [N, row_bytes] (row_bytes a multiple of 32) -> the same shape, rows interleaved
+    """Plain rows [N, row_bytes] of one-byte elements (row_bytes a multiple of 32) -> the same shape, rows interleaved
     (kernels/int4_rows.h): per group of four rows their 32-byte chunks in turn; rows past the last full
     group stay plain. One new tensor, written in place (no intermediate copies while loading)."""
     return _regroup(packed, to_interleaved=True)
@@ -497,10 +535,10 @@ def plain_rows(packed: torch.Tensor) -> torch.Tensor:
 
 def _regroup(packed: torch.Tensor, to_interleaved: bool) -> torch.Tensor:
     rows, row_bytes = packed.shape
-    whole, chunks = rows // INT4_ROW_GROUP * INT4_ROW_GROUP, row_bytes // INT4_CHUNK
+    whole, chunks = rows // ROW_GROUP * ROW_GROUP, row_bytes // ROW_CHUNK
     out = torch.empty_like(packed, memory_format=torch.contiguous_format)
-    plain_view = (-1, INT4_ROW_GROUP, chunks, INT4_CHUNK)  # [group, row, chunk, byte]
-    mixed_view = (-1, chunks, INT4_ROW_GROUP, INT4_CHUNK)  # [group, chunk, row, byte]
+    plain_view = (-1, ROW_GROUP, chunks, ROW_CHUNK)  # [group, row, chunk, byte]
+    mixed_view = (-1, chunks, ROW_GROUP, ROW_CHUNK)  # [group, chunk, row, byte]
     src, dst = (plain_view, mixed_view) if to_interleaved else (mixed_view, plain_view)
     out[:whole].view(dst).copy_(packed[:whole].reshape(src).transpose(1, 2))
     out[whole:] = packed[whole:]

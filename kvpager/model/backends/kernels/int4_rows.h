@@ -1,12 +1,12 @@
-// The int4 weights' row-interleaved layout (quant_weights.FMT_INT4_ROWS4), read by quant.cpp and
-// quant_dot.cpp.
+// The row-interleaved layout of int4 and int8 weights (quant_weights.FMT_ROWS4), read by quant.cpp and
+// quant_dot.cpp. int8's row_bytes is K (one 32-byte chunk is one block of 32 values; int4's holds two).
 //
 // Plain layout: row n's row_bytes bytes at n * row_bytes. Interleaved: every group of four rows
 // (0-3, 4-7, ...) stores its rows' bytes 32 at a time in turn: chunk c of rows 4i..4i+3 (bytes
-// 32c..32c+31 of each, two activation blocks of 32 codes) lies at 4i * row_bytes + 128c + 32j for
-// row 4i + j. A tile of four output rows then reads one stream instead of four: the hardware
-// prefetcher follows one stream from its start, while four short streams (1 KB each for K = 2048)
-// are each well under way before it catches up. Rows past the last full group of four stay plain,
+// 32c..32c+31 of each: two activation blocks of int4 codes, one of int8 values) lies at
+// 4i * row_bytes + 128c + 32j for row 4i + j. A tile of four output rows then reads one stream instead
+// of four: the hardware prefetcher follows one stream from its start, while four short streams (at
+// K = 2048: 1 KB each for int4, 2 KB for int8) are each well under way before it catches up. Rows past the last full group of four stay plain,
 // as does every weight whose rows are not whole chunks (row_bytes % 32 != 0): those never
 // interleave, whatever the format value says. The codes, their order within a chunk and the
 // arithmetic are those of the plain layout, so results are the same bits.
@@ -17,7 +17,7 @@
 
 namespace kvq_int4 {
 
-constexpr int64_t kRowsBit = 512;  // or'ed into the format value: interleaved (FMT_INT4_ROWS4)
+constexpr int64_t kRowsBit = 512;  // or'ed into the format value: interleaved (FMT_ROWS4)
 constexpr int64_t kRows = 4;       // rows per interleaved group
 constexpr int64_t kChunk = 32;     // bytes of one row per turn
 // How far ahead in an interleaved stream the kernels prefetch (bytes): one tile of four 1 KB rows

@@ -6,6 +6,7 @@
 //   kFmtBf16: w uint16 [N, K] (bfloat16 bits), no scales.
 //   kFmtF16:  w uint16 [N, K] (IEEE float16 bits), no scales (widened exactly: F16C / bit layout).
 //   kFmtInt8: w int8 [N, K]; w[n, k] = q * scales[n, k / group]           (symmetric)
+//             | kvq_int4::kRowsBit: rows interleaved four at a time (int4_rows.h, row_bytes = K)
 //   kFmtInt4: w uint8 [N, row_bytes], row_bytes = ceil(K / 16) * 8; within every span of 16 weights
 //             byte j (0..7) holds weight j in its low nibble and weight j + 8 in its high nibble;
 //             w[n, k] = code * scales[n, g] + offsets[n, g], g = k / group      (asymmetric)
@@ -49,7 +50,9 @@ constexpr int64_t kFmtF16 = 3;
 // int4 with interleaved rows: not a format value callers pass (they pass kFmtInt4 | kRowsBit) but the
 // kernels' own instantiation of int4 reading that layout
 constexpr int64_t kFmtInt4Rows = kFmtInt4 | kvq_int4::kRowsBit;
+constexpr int64_t kFmtInt8Rows = kFmtInt8 | kvq_int4::kRowsBit;  // the same for int8
 constexpr bool is_int4(int64_t fmt) { return fmt == kFmtInt4 || fmt == kFmtInt4Rows; }
+constexpr bool is_int8(int64_t fmt) { return fmt == kFmtInt8 || fmt == kFmtInt8Rows; }
 // The 16-bit float formats: the weight itself, no scale or offset.
 constexpr bool unscaled(int64_t fmt) { return fmt == kFmtBf16 || fmt == kFmtF16; }
 constexpr int64_t kLevelPortable = 0, kLevelAvx2 = 1, kLevelAvx512 = 2;
@@ -60,7 +63,7 @@ struct Packed {
   const void* scales;    // float32, or IEEE float16 when half_scales
   bool half_scales;
   const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
-  int64_t interleaved;   // int4: the leading rows stored four at a time (int4_rows.h); 0: plain
+  int64_t interleaved;   // int4 / int8: the leading rows stored four at a time (int4_rows.h); 0: plain
 };
 
 // A format value with this bit set: the scales are IEEE float16 (quant_weights.FMT_HALF_SCALES).
@@ -74,7 +77,8 @@ constexpr float kSymmetricOffset = -8.0f;
 inline float raw_at(const Packed& p, int64_t n, int64_t k) {
   if (p.fmt == kFmtBf16) return kvq_simd::bf16_bits_to_float(static_cast<const uint16_t*>(p.w)[n * p.K + k]);
   if (p.fmt == kFmtF16) return kvq_simd::f16_bits_to_float(static_cast<const uint16_t*>(p.w)[n * p.K + k]);
-  if (p.fmt == kFmtInt8) return static_cast<float>(static_cast<const int8_t*>(p.w)[n * p.K + k]);
+  if (p.fmt == kFmtInt8)
+    return static_cast<float>(static_cast<const int8_t*>(p.w)[kvq_int4::byte_at(p.interleaved, p.row_bytes, n, k)]);
   const int64_t span = k / 16, j = k % 16;
   const uint8_t byte =
       static_cast<const uint8_t*>(p.w)[kvq_int4::byte_at(p.interleaved, p.row_bytes, n, span * 8 + (j & 7))];
@@ -127,11 +131,11 @@ Packed make_packed(int64_t fmt, const void* w, const void* scales, const float* 
   p.K = K;
   p.group = unscaled(fmt) ? K : group;
   p.num_groups = (K + p.group - 1) / p.group;
-  p.row_bytes = fmt == kFmtInt4 ? ((K + 15) / 16) * 8 : 0;
+  p.row_bytes = fmt == kFmtInt4 ? ((K + 15) / 16) * 8 : fmt == kFmtInt8 ? K : 0;
   p.w = w;
   p.scales = unscaled(fmt) ? nullptr : scales;
   p.offsets = offsets;
-  p.interleaved = fmt == kFmtInt4 ? kvq_int4::interleaved_rows(rows4, N, p.row_bytes) : 0;
+  p.interleaved = fmt == kFmtInt4 || fmt == kFmtInt8 ? kvq_int4::interleaved_rows(rows4, N, p.row_bytes) : 0;
   return p;
 }
 

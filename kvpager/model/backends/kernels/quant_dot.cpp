@@ -55,7 +55,7 @@ struct DotPacked {
   const void* scales;    // float32, or IEEE float16 when half_scales (the kernels' SC: float / uint16_t)
   bool half_scales;
   const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
-  int64_t interleaved;   // int4: the leading rows stored four at a time (int4_rows.h); 0: plain
+  int64_t interleaved;   // the leading rows stored four at a time (int4_rows.h); 0: plain
 };
 
 // quant.cpp's: a format value with this bit set says the scales are IEEE float16 (GGUF Q8_0 / Q4_0).
@@ -119,9 +119,9 @@ extern "C" {
 int64_t kvq_dot_level(int64_t max_level) { return dot_level_for(max_level); }
 
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
-// fmt | kHalfScales: `scales` holds IEEE float16; int4 | kvq_int4::kRowsBit: rows interleaved (int4_rows.h).
-// Returns 0, or -1 when the group size is neither a multiple of 32 nor K, or the interleaved bit comes
-// with int8 (nothing is written then).
+// fmt | kHalfScales: `scales` holds IEEE float16; fmt | kvq_int4::kRowsBit: rows interleaved (int4_rows.h;
+// int8: on the AVX2 or portable path, whatever max_level allows).
+// Returns 0, or -1 when the group size is neither a multiple of 32 nor K (nothing is written then).
 int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
                        const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                        int64_t num_threads, int64_t max_level) {
@@ -130,7 +130,6 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   fmt &= ~(kHalfScales | kvq_int4::kRowsBit);
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
-  if (rows4 && fmt != kFmtInt4) return -1;
   if (M <= 0 || N <= 0) return 0;
   DotPacked p{};
   p.fmt = fmt;
@@ -149,7 +148,9 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   p.offsets = offsets;
   p.interleaved = kvq_int4::interleaved_rows(rows4, N, p.row_bytes);
   const bool int4 = fmt == kFmtInt4;
-  const int64_t level = dot_level_for(max_level);
+  // interleaved int8 rows have no VNNI instantiation (its block pairs read plain rows): the AVX2 build
+  // runs them there (the weights' classes interleave int8 only where the VNNI build is not the path)
+  const int64_t level = std::min(dot_level_for(max_level), int4 || !p.interleaved ? kLevelVnni : kLevelAvx2);
   const int threads = static_cast<int>(N * K * M >= (1 << 15) ? std::max<int64_t>(1, num_threads) : 1);
   std::vector<int8_t> q(static_cast<size_t>(M * p.blocks * B));
   std::vector<float> d(static_cast<size_t>(M * p.blocks)), xs;
