@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ from kvpager.engine.openmp_pool import release_thread_pool
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def _threads_settled(before: int, expected: int, seconds: float = 5.0) -> int:
+    """Threads beyond `before` once their count is `expected`, or when `seconds` have passed: libgomp's
+    workers are detached, so one that has been told to exit may still be listed for a moment."""
+    deadline = time.monotonic() + seconds
+    while _threads() - before != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _threads() - before
 
 
 def _parallel_sum() -> float:
@@ -33,9 +43,9 @@ def test_release_hands_back_the_calling_threads_workers_and_openmp_still_works()
         seen["sum"] = _parallel_sum()
         seen["with_pool"] = _threads() - before  # this thread's new worker
         seen["released"] = release_thread_pool()
-        seen["after_release"] = _threads() - before  # joined by the runtime before it returns
+        seen["after_release"] = _threads_settled(before, 0)  # the worker exits
         seen["sum_again"] = _parallel_sum()  # the pool is rebuilt on demand
-        seen["rebuilt"] = _threads() - before
+        seen["rebuilt"] = _threads_settled(before, 1)
 
     thread = threading.Thread(target=in_a_fresh_thread)
     thread.start()
