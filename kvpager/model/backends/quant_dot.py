@@ -43,6 +43,10 @@ DOT_KERNEL_MAX_ROWS = 4
 # Where the exact kernels run AVX2 too, the integer dot stays faster up to these decode batches
 # (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
+# int4 since its 256-bit block pairs, off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS): the
+# integer dot is ahead of the exact path's L1 tile and GEMM up to prompts of this many rows, level at
+# it and behind past it (AMD Zen 2, benchmarks/history.md), so prompts up to it take the integer dot too.
+DOT_KERNEL_MAX_ROWS_AVX2_INT4_PROMPTS = 512
 # Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is
 # faster than the exact kernel's L1 tile at every decode batch. Over KERNEL_MAX_ROWS rows the exact path
 # is another algorithm (dequantized chunks, torch's float32 GEMM), and which is faster for prompts
@@ -99,7 +103,11 @@ def dot_kernel_max_rows(
         return BF16_GEMM_AFTER_ROWS
     if dot_level == LEVEL_AVX512:
         return KERNEL_MAX_ROWS if vendor in GEMM_PROMPT_VENDORS else None
-    return DOT_KERNEL_MAX_ROWS_AVX2[weight_format] if exact_level == LEVEL_AVX2 else DOT_KERNEL_MAX_ROWS
+    if exact_level != LEVEL_AVX2:
+        return DOT_KERNEL_MAX_ROWS
+    if weight_format == "int4" and vendor not in GEMM_PROMPT_VENDORS:
+        return DOT_KERNEL_MAX_ROWS_AVX2_INT4_PROMPTS
+    return DOT_KERNEL_MAX_ROWS_AVX2[weight_format]
 
 
 def bf16_gemm_prompts(dot_level: int, native_bf16: bool) -> bool:
