@@ -13,23 +13,12 @@ import hashlib
 
 import pytest
 import torch
+from test_int4_interleaved_rows import BATCHES, LEVELS, _kernels_or_skip
 
-from kvpager.model.backends.kernels.build import KernelBuildError
 from kvpager.model.backends.quant_dot import Int8DotWeight
-from kvpager.model.backends.quant_kernels import FMT_ROWS4, LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels
+from kvpager.model.backends.quant_kernels import FMT_ROWS4, LEVEL_AVX2, LEVEL_AVX512, load_quant_kernels
 from kvpager.model.backends.quant_weights import Int8Weight, cat_rows, interleave_rows
 from kvpager.model.gguf_packed import AffineInt8Weight
-
-# input rows through each path: the integer dot / direct tile (few rows), the L1 tile (up to 128), the GEMM
-BATCHES = [1, 2, 3, 5, 33, 200]
-LEVELS = [None, LEVEL_AVX2, LEVEL_PORTABLE]
-
-
-def _kernels_or_skip() -> None:
-    try:
-        load_quant_kernels()
-    except KernelBuildError as exc:  # pragma: no cover - every CI machine has g++
-        pytest.skip(f"no C++ compiler for the packed-weight kernels: {exc}")
 
 
 def _pair(cls: type[Int8Weight], w: torch.Tensor, group: int | None, half: bool) -> tuple[Int8Weight, Int8Weight]:

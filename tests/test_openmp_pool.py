@@ -14,17 +14,17 @@ from kvpager.engine import async_engine as async_engine_module
 from kvpager.engine.openmp_pool import release_thread_pool
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _tids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
-def _threads_settled(before: int, expected: int, seconds: float = 5.0) -> int:
-    """Threads beyond `before` once their count is `expected`, or when `seconds` have passed: libgomp's
-    workers are detached, so one that has been told to exit may still be listed for a moment."""
+def _gone(tids: set[str], seconds: float = 5.0) -> bool:
+    """Whether the threads `tids` have all left /proc within `seconds`: libgomp's workers are detached,
+    so one that has been told to exit may still be listed for a moment."""
     deadline = time.monotonic() + seconds
-    while _threads() - before != expected and time.monotonic() < deadline:
+    while tids & _tids() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _threads() - before
+    return not tids & _tids()
 
 
 def _parallel_sum() -> float:
@@ -39,13 +39,16 @@ def test_release_hands_back_the_calling_threads_workers_and_openmp_still_works()
 
     def in_a_fresh_thread() -> None:  # a thread of its own: its pool is the only one it touches
         torch.set_num_threads(2)
-        before = _threads()
+        # NOTE: thread ids, not counts: other tests' threads may start or end meanwhile in this process
+        before = _tids()
         seen["sum"] = _parallel_sum()
-        seen["with_pool"] = _threads() - before  # this thread's new worker
+        workers = _tids() - before  # this thread's new worker
+        seen["with_pool"] = len(workers)
         seen["released"] = release_thread_pool()
-        seen["after_release"] = _threads_settled(before, 0)  # the worker exits
+        seen["workers_gone"] = _gone(workers)
+        before_rebuild = _tids()
         seen["sum_again"] = _parallel_sum()  # the pool is rebuilt on demand
-        seen["rebuilt"] = _threads_settled(before, 1)
+        seen["rebuilt"] = len(_tids() - before_rebuild)
 
     thread = threading.Thread(target=in_a_fresh_thread)
     thread.start()
@@ -53,7 +56,7 @@ def test_release_hands_back_the_calling_threads_workers_and_openmp_still_works()
     assert seen["sum"] == seen["sum_again"] == float(1 << 22)
     assert seen["with_pool"] == 1, seen
     assert seen["released"] is True, "torch's libgomp has OpenMP 5.0's omp_pause_resource_all"
-    assert seen["after_release"] == 0, seen
+    assert seen["workers_gone"] is True, seen
     assert seen["rebuilt"] == 1, seen
 
 
