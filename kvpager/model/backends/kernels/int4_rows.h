@@ -6,10 +6,10 @@
 // 32c..32c+31 of each: two activation blocks of int4 codes, one of int8 values) lies at
 // 4i * row_bytes + 128c + 32j for row 4i + j. A tile of four output rows then reads one stream instead
 // of four: the hardware prefetcher follows one stream from its start, while four short streams (at
-// K = 2048: 1 KB each for int4, 2 KB for int8) are each well under way before it catches up. Rows past the last full group of four stay plain,
-// as does every weight whose rows are not whole chunks (row_bytes % 32 != 0): those never
-// interleave, whatever the format value says. The codes, their order within a chunk and the
-// arithmetic are those of the plain layout, so results are the same bits.
+// K = 2048: 1 KB each for int4, 2 KB for int8) are each well under way before it catches up. Rows
+// past the last full group of four stay plain, as does every weight whose rows are not whole chunks
+// (row_bytes % 32 != 0): those never interleave, whatever the format value says. The codes, their
+// order within a chunk and the arithmetic are those of the plain layout, so results are the same bits.
 
 #pragma once
 
