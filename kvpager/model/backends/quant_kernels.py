@@ -41,6 +41,7 @@ INCLUDES = (
     KERNEL_DIR / "quant_dot_simd.h",
     KERNEL_DIR / "quant_dot_body.inc",
     KERNEL_DIR / "quant_dot_pairs.inc",
+    KERNEL_DIR / "quant_dot_gemm.inc",
 )
 FLAGS = (
     "-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi",
@@ -67,6 +68,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_dequant": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I], None),
     "kvq_dequant_bf16": ([_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I], None),
     "kvq_dot_level": ([_I], ctypes.c_int64),
+    "kvq_dot_panel_rows": ([_I], ctypes.c_int64),
     "kvq_dot_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int64),
 }
 
@@ -83,6 +85,7 @@ class QuantKernels:
     dot_linear: Any  # kvq_dot_linear: integer dot products (w8a8_int8 / w4a8_int8)
     dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX512: AVX-512 VNNI)
     dequant_bf16: Any  # kvq_dequant_bf16: dequantized rows rounded to bfloat16 (the bf16 GEMM's operand)
+    dot_panel_rows: Any  # kvq_dot_panel_rows(cap): int4 batches from this many rows take 8-row panels (0: none)
 
     @property
     def default_level(self) -> int:
@@ -108,8 +111,10 @@ class QuantKernels:
             how = "scalar int32"
             why = f"{ISA_ENV}=portable" if best > LEVEL_PORTABLE else "this CPU has no AVX2"
         name = "AVX-512 VNNI" if chosen == LEVEL_AVX512 else LEVEL_NAMES[chosen]
+        panels = int(self.dot_panel_rows(self.default_level))
+        batches = f"; int4 batches of {panels}+ rows: 8 output rows per vector" if panels else ""
         return (
-            f"{name} integer-dot kernel ({how}; {why}): activations quantized to int8 per "
+            f"{name} integer-dot kernel ({how}; {why}{batches}): activations quantized to int8 per "
             "block of 32 per call, float32 accumulation across blocks (not exact)"
         )
 
@@ -164,6 +169,7 @@ def load_quant_kernels() -> QuantKernels:
         lib.kvq_dot_linear,
         lib.kvq_dot_level,
         lib.kvq_dequant_bf16,
+        lib.kvq_dot_panel_rows,
     )
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels

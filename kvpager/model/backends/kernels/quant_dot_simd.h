@@ -158,6 +158,32 @@ struct Portable {
     for (int l = 0; l < 4; ++l) acc.v[l] = std::fma(a.v[l], d, acc.v[l]);
     return acc;
   }
+  static V splat(float f) {
+    V r;
+    for (int l = 0; l < 8; ++l) r.v[l] = f;
+    return r;
+  }
+  static V load8(const float* f) {
+    V r;
+    for (int l = 0; l < 8; ++l) r.v[l] = f[l];
+    return r;
+  }
+  static void store8(float* f, V v) {
+    for (int l = 0; l < 8; ++l) f[l] = v.v[l];
+  }
+  // One block of an int4 panel (quant_dot_gemm.inc) for R input rows: lane c of acc[r] += (idot(column
+  // c's block, row r's block) * d[r]) * s[c] (two roundings, as the other tiles' per-block step). wb:
+  // the block's 256 unpacked codes, [group g of 4 positions][column c][4]; x[r]: row r's 32 activations.
+  template <int R>
+  static void panel_block(const uint8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], V s, V (&acc)[R]) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 8; ++c) {
+        int32_t t = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(wb[32 * g + 4 * c + e]) * x[r][4 * g + e];
+        acc[r].v[c] = std::fma(static_cast<float>(t) * d[r], s.v[c], acc[r].v[c]);
+      }
+  }
   // Quantizes x[0..n) (n <= 32; the rest of the block is zero) into q (32 bytes); returns d.
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     float amax = 0.0f;
@@ -282,6 +308,34 @@ struct Avx2 {
   }
   static V madd_low(V acc, V4 a, float d) {
     return _mm256_insertf128_ps(acc, _mm_fmadd_ps(a, _mm_set1_ps(d), _mm256_castps256_ps128(acc)), 0);
+  }
+  static V splat(float f) { return _mm256_set1_ps(f); }
+  static void store8(float* f, V v) { _mm256_storeu_ps(f, v); }
+  // Portable::panel_block with one weight load per group of 4 positions for all R rows: each 32-bit
+  // lane of a group's load is one column's 4 codes, times row r's 4 activations broadcast to every
+  // lane; the 8 groups' int16 pair sums add up in int16 (each at most 2 * 15 * 127, so 8 of them fit),
+  // then lane c's two int16 halves, sign-extended by shifts and added, are column c's exact int32 block
+  // dot (shifts rather than vpmaddwd: the multiply unit is the one the vpmaddubsw keep busy).
+  template <int R>
+  static void panel_block(const uint8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], V s, V (&acc)[R]) {
+    __m256i t[R];
+    for (int g = 0; g < 8; ++g) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x[r] + 4 * g, sizeof four);
+        const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(four));
+        t[r] = g == 0 ? p : _mm256_add_epi16(t[r], p);
+        // keeps each row's sum one running register: left free, the compiler reassociates the adds into
+        // a tree over all 8 * R products, which spills them to the stack
+        __asm__("" : "+x"(t[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i pair = _mm256_add_epi32(_mm256_srai_epi32(t[r], 16), _mm256_srai_epi32(_mm256_slli_epi32(t[r], 16), 16));
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(pair), _mm256_set1_ps(d[r]));
+      acc[r] = _mm256_fmadd_ps(f, s, acc[r]);
+    }
   }
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {
     alignas(32) float buf[kBlock];
