@@ -171,6 +171,17 @@ struct Portable {
   static void store8(float* f, V v) {
     for (int l = 0; l < 8; ++l) f[l] = v.v[l];
   }
+  // An int4 panel's codes for one whole block of 8 rows (quant_dot_gemm.inc): row[c] holds row c's 16
+  // stored bytes (byte i: position i in the low nibble, 16 + i in the high); dst gets 256 bytes, [group k
+  // of 4 positions][row c][4]: group k < 4 is bytes 4k..4k+3's low nibbles, group k + 4 their high ones.
+  static void pack_codes8(const uint8_t* const (&row)[8], uint8_t* dst) {
+    for (int c = 0; c < 8; ++c)
+      for (int k = 0; k < 4; ++k)
+        for (int e = 0; e < 4; ++e) {
+          dst[32 * k + 4 * c + e] = row[c][4 * k + e] & 0xF;
+          dst[32 * (k + 4) + 4 * c + e] = row[c][4 * k + e] >> 4;
+        }
+  }
   // One block of an int4 panel (quant_dot_gemm.inc) for R input rows: lane c of acc[r] += (idot(column
   // c's block, row r's block) * d[r]) * s[c] (two roundings, as the other tiles' per-block step). wb:
   // the block's 256 unpacked codes, [group g of 4 positions][column c][4]; x[r]: row r's 32 activations.
@@ -311,11 +322,27 @@ struct Avx2 {
   }
   static V splat(float f) { return _mm256_set1_ps(f); }
   static void store8(float* f, V v) { _mm256_storeu_ps(f, v); }
+  // Portable::pack_codes8 as a transpose of 4-byte words: rows c and c + 4 in one vector's halves, then
+  // the 4 x 4 transpose within each half leaves word k of rows 0..7 in vector k.
+  static void pack_codes8(const uint8_t* const (&row)[8], uint8_t* dst) {
+    __m256i v[4];
+    for (int c = 0; c < 4; ++c)
+      v[c] = two_halves(reinterpret_cast<const int8_t*>(row[c]), reinterpret_cast<const int8_t*>(row[c + 4]));
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    const __m256i words[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    const __m256i m = _mm256_set1_epi8(0xF);
+    for (int k = 0; k < 4; ++k) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * k), _mm256_and_si256(words[k], m));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (k + 4)),
+                          _mm256_and_si256(_mm256_srli_epi16(words[k], 4), m));
+    }
+  }
   // Portable::panel_block with one weight load per group of 4 positions for all R rows: each 32-bit
   // lane of a group's load is one column's 4 codes, times row r's 4 activations broadcast to every
   // lane; the 8 groups' int16 pair sums add up in int16 (each at most 2 * 15 * 127, so 8 of them fit),
-  // then lane c's two int16 halves, sign-extended by shifts and added, are column c's exact int32 block
-  // dot (shifts rather than vpmaddwd: the multiply unit is the one the vpmaddubsw keep busy).
+  // then one vpmaddwd makes lane c column c's exact int32 block dot.
   template <int R>
   static void panel_block(const uint8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], V s, V (&acc)[R]) {
     __m256i t[R];
@@ -332,7 +359,7 @@ struct Avx2 {
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i pair = _mm256_add_epi32(_mm256_srai_epi32(t[r], 16), _mm256_srai_epi32(_mm256_slli_epi32(t[r], 16), 16));
+      const __m256i pair = _mm256_madd_epi16(t[r], _mm256_set1_epi16(1));
       const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(pair), _mm256_set1_ps(d[r]));
       acc[r] = _mm256_fmadd_ps(f, s, acc[r]);
     }
