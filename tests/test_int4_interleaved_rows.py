@@ -22,7 +22,7 @@ from kvpager.model.backends.quant_kernels import (
     LEVEL_PORTABLE,
     load_quant_kernels,
 )
-from kvpager.model.backends.quant_weights import Int4Weight, cat_rows, interleave_rows, plain_rows
+from kvpager.model.backends.quant_weights import Int4Weight, PackedWeight, cat_rows, interleave_rows, plain_rows
 
 # input rows through each path: the integer dot (few rows), the exact tile (up to 128), the GEMM beyond
 BATCHES = [1, 2, 3, 5, 33, 200]
@@ -105,16 +105,18 @@ def test_interleaved_int4_gives_the_plain_layouts_bits_on_every_path(
                 assert torch.equal(mixed.matmul(x, b), plain.matmul(x, b)), (level, batch, b is None)
 
 
+def _digest(weight: PackedWeight) -> str:
+    """What a weight commits to a KV fingerprint (update_digest), as hex."""
+    h = hashlib.sha256()
+    weight.update_digest(h)
+    return h.hexdigest()
+
+
 def test_the_digest_and_stored_size_do_not_depend_on_the_layout() -> None:
     w = torch.randn(12, 256, generator=torch.Generator().manual_seed(3))
     plain, mixed = Int4Weight.from_float(w, 64, interleave=False), Int4Weight.from_float(w, 64, interleave=True)
     assert mixed.interleaved
-    digests = []
-    for weight in (plain, mixed):
-        h = hashlib.sha256()
-        weight.update_digest(h)
-        digests.append(h.hexdigest())
-    assert digests[0] == digests[1]
+    assert _digest(plain) == _digest(mixed)
     assert mixed.nbytes == plain.nbytes
 
 

@@ -9,11 +9,9 @@ CPU an interleaved weight gives the AVX2 build's bits (which the plain weight gi
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
-from test_int4_interleaved_rows import BATCHES, LEVELS, _kernels_or_skip
+from test_int4_interleaved_rows import BATCHES, LEVELS, _digest, _kernels_or_skip
 
 from kvpager.model.backends.quant_dot import Int8DotWeight
 from kvpager.model.backends.quant_kernels import FMT_ROWS4, LEVEL_AVX2, LEVEL_AVX512, load_quant_kernels
@@ -95,11 +93,7 @@ def test_the_digest_and_stored_size_do_not_depend_on_the_int8_layout() -> None:
     plain, mixed = _pair(Int8DotWeight, w, 32, half=True)
     offsets = torch.randn(12, 8, generator=torch.Generator().manual_seed(4))
     weights = [plain, mixed, AffineInt8Weight(plain, offsets), AffineInt8Weight(mixed, offsets)]
-    digests = []
-    for weight in weights:
-        h = hashlib.sha256()
-        weight.update_digest(h)
-        digests.append(h.hexdigest())
+    digests = [_digest(weight) for weight in weights]
     assert digests[0] == digests[1] and digests[2] == digests[3]
     assert mixed.nbytes == plain.nbytes
 

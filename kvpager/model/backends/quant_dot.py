@@ -43,9 +43,6 @@ DOT_KERNEL_MAX_ROWS = 4
 # Where the exact kernels run AVX2 too, the integer dot stays faster up to these decode batches
 # (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
-# int4 off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS): batches of
-# kvq_dot_panel_rows (32) rows or more take the integer dot's 8-row panels (kernels/quant_dot_gemm.inc),
-# 1.3-1.5x the exact path at 1024 rows on AMD Zen 2 (BENCHMARKS.md), so every batch stays on the dot.
 # Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is
 # faster than the exact kernel's L1 tile at every decode batch. Over KERNEL_MAX_ROWS rows the exact path
 # is another algorithm (dequantized chunks, torch's float32 GEMM), and which is faster for prompts
@@ -105,6 +102,9 @@ def dot_kernel_max_rows(
     if exact_level != LEVEL_AVX2:
         return DOT_KERNEL_MAX_ROWS
     if weight_format == "int4" and vendor not in GEMM_PROMPT_VENDORS:
+        # off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS), batches of kvq_dot_panel_rows (32)
+        # rows or more take the integer dot's 8-row panels (kernels/quant_dot_gemm.inc), 1.3-1.5x the exact
+        # path at 1024 rows on AMD Zen 2 (BENCHMARKS.md): every batch stays on the dot
         return None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format]
 
