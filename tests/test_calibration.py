@@ -17,7 +17,7 @@ from kvpager.cli.plan import main as plan_main
 from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
 from kvpager.gguf import open_gguf
-from kvpager.gguf.executed import PACKED_FORMS
+from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS, checkpoint_name, is_linear_weight
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Int8Weight, PackedWeight
 
@@ -233,7 +233,7 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_for_gguf_files(
     assert bool(executed) == (quantized and quantization is None and quant_kernels_or_none() is not None)
 
 
-@pytest.mark.parametrize("kind", ["tied-Q4_0", "tied-Q8_0", "tiny-llama-Q4_0.gguf"])
+@pytest.mark.parametrize("kind", ["tied-Q4_0", "tied-Q8_0", "tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf"])
 def test_with_int8_activations_a_tied_lm_head_copies_the_embedding_blocks_and_the_plan_counts_them(
     gguf_file: Callable[[str], Path],
     capsys: pytest.CaptureFixture[str],
@@ -254,15 +254,23 @@ def test_with_int8_activations_a_tied_lm_head_copies_the_embedding_blocks_and_th
     assert plan["engine_num_blocks"] == engine.pool.num_blocks
     copied = [m for m in caplog.messages if "copied for the tied lm_head" in m]
     head = engine.loaded.model.lm_head.weight
+    # Q4_K's linear weights hold the file's super-block records on the integer dot (DOT_FORMS), fewer
+    # bytes than the exact form's float32 scales and offsets
+    records = sum(
+        DOT_FORMS[t.type_name].num_bytes(*t.shape) - PACKED_FORMS[t.type_name].num_bytes(*t.shape)
+        for name, t in gguf.tensors.items()
+        if t.type_name in DOT_FORMS and is_linear_weight(checkpoint_name(name, gguf))
+    )
     if tied:
         embedding = gguf.tensors["token_embd.weight"]
-        form = PACKED_FORMS[embedding.type_name]
-        assert engine.loaded.weight_bytes - exact.loaded.weight_bytes == form.num_bytes(*embedding.shape)
+        form = DOT_FORMS.get(embedding.type_name, PACKED_FORMS[embedding.type_name])
+        delta = engine.loaded.weight_bytes - exact.loaded.weight_bytes
+        assert delta == form.num_bytes(*embedding.shape) + records
         assert len(copied) == 1 and form.name in copied[0]
         assert isinstance(head, PackedWeight)
         # the copy holds the embedding's own values: rounded to the table's dtype, the lm_head is the table
         table = engine.loaded.model.embed_tokens.weight
         assert torch.equal(head.dequantize(torch.float32).to(table.dtype), table)
     else:
-        assert engine.loaded.weight_bytes == exact.loaded.weight_bytes
+        assert engine.loaded.weight_bytes - exact.loaded.weight_bytes == records
         assert not copied

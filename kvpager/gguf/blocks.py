@@ -12,6 +12,10 @@ the block's bits (ggml-common.h; gguf-py's quants.py decodes the same layouts):
 
 The products d*sc and dmin*m are exact in float32 (an 11-bit mantissa times a 6- or 8-bit integer),
 so a decoder computing code * scale + offset in float32 gives gguf-py's floats bit for bit.
+
+Q4_K's factors also come as the file holds them (`BlockCodes.k_records`: per row and super-block of
+256, K_RECORD_BYTES bytes: f16 d, f16 dmin, the 8 sc, the 8 m, a byte each), for the kernels that
+expand them per call instead of holding the float32 products.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 QK_K = 256
+K_RECORD_BYTES = 20  # a Q4_K super-block's f16 d, f16 dmin, 8 six-bit scales, 8 six-bit mins
 # ggml type -> (values per block, bytes per block)
 BLOCK_SIZES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
 
@@ -33,6 +38,17 @@ class BlockCodes:
     scales: np.ndarray  # [N, K // group] float32
     offsets: np.ndarray | None  # [N, K // group] float32; None: symmetric (w = code * scale)
     group: int
+    k_records: np.ndarray | None = None  # Q4_K only: [N, K // 256, K_RECORD_BYTES] uint8, the file's factors
+
+    def rows(self, order: np.ndarray) -> BlockCodes:
+        """The same matrix with its rows in `order` (an index array)."""
+        return BlockCodes(
+            self.codes[order],
+            self.scales[order],
+            None if self.offsets is None else self.offsets[order],
+            self.group,
+            None if self.k_records is None else self.k_records[order],
+        )
 
     def dequantize(self) -> np.ndarray:
         """The float32 values (code * scale + offset), what gguf-py's dequantize returns."""
@@ -62,6 +78,7 @@ def unpack_blocks(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> B
         scales.reshape(rows, cols // group),
         None if offsets is None else offsets.reshape(rows, cols // group),
         group,
+        _k_records(blocks).reshape(rows, cols // QK_K, K_RECORD_BYTES) if type_name == "Q4_K" else None,
     )
 
 
@@ -90,6 +107,12 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=1)
     mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=1)
     return sc, mn
+
+
+def _k_records(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K's factors per block [n, K_RECORD_BYTES]: the f16 d and dmin bytes, the 8 sc, the 8 m."""
+    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    return np.concatenate([blocks[:, 0:4], sc, mn], axis=1).astype(np.uint8)
 
 
 def _k_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

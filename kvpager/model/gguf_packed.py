@@ -8,7 +8,8 @@ matmul computes with exactly the values gguf-py's dequantizer gives:
   scale d*sc, float32).
 - Q4_0 -> Int4Weight group 32, symmetric (codes q, the file's float16 scale d; the offset -8d is not
   stored).
-- Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m).
+- Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m); with int8 activations
+  KScaledInt4DotWeight (the same codes, the file's d, dmin, sc and m, expanded by the kernel).
 - Q5_K -> AffineInt8Weight group 32: Int8Weight over the 5-bit codes plus a per-group offset
   (-dmin*m), which the int8 kernels do not have; the offset term is offset[n, g] * sum of x over
   group g, one small matmul on the group sums.
@@ -28,6 +29,7 @@ import torch
 
 from kvpager.gguf.blocks import BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
+from kvpager.model.backends.k_scales import KScaledInt4DotWeight
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
 
@@ -47,6 +49,8 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
     form = PACKED_FORMS.get(type_name)
     if form is not None and form.half_scales:  # float16 in the file: the float32 values narrow back exactly
         scales = scales.to(torch.float16)
+    if type_name == "Q4_K" and int8_activations and blocks.k_records is not None:
+        return KScaledInt4DotWeight.from_k_codes(codes, torch.from_numpy(np.ascontiguousarray(blocks.k_records)))
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
         int4 = Int4DotWeight if int8_activations else Int4Weight
@@ -150,6 +154,8 @@ def _mergeable(a: PackedWeight, b: PackedWeight) -> bool:
 def _merge(run: list[PackedWeight]) -> PackedWeight:
     if len(run) == 1:
         return run[0]
+    if isinstance(run[0], KScaledInt4DotWeight):
+        return KScaledInt4DotWeight.cat([p for p in run if isinstance(p, KScaledInt4DotWeight)])
     if isinstance(run[0], AffineInt8Weight):
         affine = [p for p in run if isinstance(p, AffineInt8Weight)]
         inner = cat_rows([p.inner for p in affine])

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvpager.gguf.blocks import BlockCodes, unpack_blocks
+from kvpager.gguf.blocks import unpack_blocks
 from kvpager.gguf.config import ROPE_FREQS_TENSOR
 from kvpager.gguf.executed import (
     FLOAT_TYPES,
@@ -143,14 +143,13 @@ class GGUFWeights:
 
     def _packed(self, name: str) -> PackedWeight:
         tensor = self._tensors[name]
-        form = packed_form(name, tensor.type_name, packed_kernels=self.native)
+        dynamic = self.int8_activations and tensor.type_name in INT8_DOT_TYPES
+        form = packed_form(name, tensor.type_name, packed_kernels=self.native, int8_activations=dynamic)
         assert form is not None, name
         blocks = unpack_blocks(tensor.type_name, tensor.data, tensor.shape)
         rows = self._row_order(name)
         if rows is not None:
-            offsets = None if blocks.offsets is None else blocks.offsets[rows]
-            blocks = BlockCodes(blocks.codes[rows], blocks.scales[rows], offsets, blocks.group)
-        dynamic = self.int8_activations and tensor.type_name in INT8_DOT_TYPES
+            blocks = blocks.rows(rows)
         weight = packed_from_blocks(blocks, tensor.type_name, int8_activations=dynamic)
         if weight.nbytes != form.num_bytes(*tensor.shape):  # NOTE: the planner counts form.num_bytes
             raise AssertionError(f"{name}: {tensor.type_name} packed into {weight.nbytes} bytes, not {form.name}'s")

@@ -64,7 +64,7 @@ def gguf_resident_weights(
         for dim in tensor.shape:
             numel *= dim
         num_elements += numel
-        form = packed_form(name, tensor.type_name, packed_kernels=packed_kernels)
+        form = packed_form(name, tensor.type_name, packed_kernels=packed_kernels, int8_activations=int8_activations)
         if form is not None:
             how, num_bytes = f"executed as {form.name}", form.num_bytes(tensor.shape[0], tensor.shape[1])
         else:

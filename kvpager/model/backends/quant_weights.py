@@ -32,6 +32,7 @@ not fast. `dequantize()` is the torch reference the tests hold the kernels to.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -474,7 +475,7 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     raise TypeError(f"cannot concatenate {type(first).__name__}")
 
 
-def _parts_join_interleaved(parts: list[Int8Weight] | list[Int4Weight]) -> bool:
+def _parts_join_interleaved(parts: Sequence[Int8Weight] | Sequence[Int4Weight]) -> bool:
     """Whether the stored parts, joined, are the joined rows interleaved: every part interleaved (the
     first asking for it) and every part's groups of four starting at a multiple of four in the joined
     rows, so loading makes no plain copies."""

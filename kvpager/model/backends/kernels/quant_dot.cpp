@@ -57,6 +57,10 @@ struct DotPacked {
   bool half_scales;
   const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
   int64_t interleaved;   // the leading rows stored four at a time (int4_rows.h); 0: plain
+  // scales and offsets hold rows scale_row0 .. only (a KRows view); row n's are at n - scale_row0
+  int64_t scale_row0;
+  bool scale_prefetch;      // whether the tiles prefetch the next tile's scale rows (not in a KRows view)
+  const uint8_t* k_records;  // fmt | kKScales: GGUF Q4_K's super-block records (scales, offsets null)
 };
 
 // quant.cpp's: a format value with this bit set says the scales are IEEE float16 (GGUF Q8_0 / Q4_0).
@@ -65,8 +69,21 @@ constexpr int64_t kHalfScales = 256;
 // Row n's scales in the stored type SC.
 template <class SC>
 inline const SC* scale_row(const DotPacked& p, int64_t n) {
-  return static_cast<const SC*>(p.scales) + n * p.num_groups;
+  return static_cast<const SC*>(p.scales) + (n - p.scale_row0) * p.num_groups;
 }
+
+// Row n's offsets (int4, asymmetric).
+inline const float* offset_row(const DotPacked& p, int64_t n) { return p.offsets + (n - p.scale_row0) * p.num_groups; }
+
+// A format value with this bit set holds GGUF Q4_K's scales as the file does (int4, group 32, K a
+// multiple of 256): per row, one kKRecord-byte record per super-block of kKGroups groups: float16 d,
+// float16 dmin, kKGroups six-bit scales sc, kKGroups six-bit mins m (a byte each). Group g's scale is
+// d * sc[g] and its offset -(dmin * m[g]), both exact in float32: the float32 form's values, so the
+// two forms give the same bits. 0.58 bytes a weight where the float32 form holds 0.75.
+constexpr int64_t kKScales = 1024;
+constexpr int64_t kKGroups = 8;
+constexpr int64_t kKRecord = 20;
+
 
 // quant.cpp's: a symmetric int4 group's offset per unit of its scale (codes 0..15 stand for -8..7).
 constexpr float kSymmetricOffset = -8.0f;
@@ -127,16 +144,20 @@ int64_t kvq_dot_panel_rows(int64_t max_level) {
 
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
 // fmt | kHalfScales: `scales` holds IEEE float16; fmt | kvq_int4::kRowsBit: rows interleaved (int4_rows.h;
-// int8: on the AVX2 or portable path, whatever max_level allows).
-// Returns 0, or -1 when the group size is neither a multiple of 32 nor K (nothing is written then).
+// int8: on the AVX2 or portable path, whatever max_level allows); fmt | kKScales: `scales` holds Q4_K's
+// super-block records (int4, group 32, K a multiple of 256, `offsets` null).
+// Returns 0, or -1 when the group size is neither a multiple of 32 nor K, or kKScales's conditions do
+// not hold (nothing is written then).
 int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
                        const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                        int64_t num_threads, int64_t max_level) {
   constexpr int64_t B = kvqd_simd::kBlock;
   const bool half_scales = (fmt & kHalfScales) != 0, rows4 = (fmt & kvq_int4::kRowsBit) != 0;
-  fmt &= ~(kHalfScales | kvq_int4::kRowsBit);
+  const bool k_scales = (fmt & kKScales) != 0;
+  fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales);
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
+  if (k_scales && (fmt != kFmtInt4 || group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
   if (M <= 0 || N <= 0) return 0;
   DotPacked p{};
   p.fmt = fmt;
@@ -150,9 +171,12 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   p.group_blocks = half ? 1 : group % B == 0 ? group / B : p.blocks;
   p.half_blocks = half;
   p.w = w;
-  p.scales = scales;
+  p.scales = k_scales ? nullptr : scales;
   p.half_scales = half_scales;
   p.offsets = offsets;
+  p.scale_row0 = 0;
+  p.scale_prefetch = !k_scales;
+  p.k_records = k_scales ? static_cast<const uint8_t*>(scales) : nullptr;
   p.interleaved = kvq_int4::interleaved_rows(rows4, N, p.row_bytes);
   const bool int4 = fmt == kFmtInt4;
   // interleaved int8 rows have no VNNI instantiation (its block pairs read plain rows): the AVX2 build

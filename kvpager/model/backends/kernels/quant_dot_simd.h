@@ -101,6 +101,15 @@ struct Portable {
   static V dot_i8(const W& w, X x) { return dot(w, x); }
   static float scale(float s) { return s; }
   static float scale(uint16_t h) { return kvq_simd::f16_bits_to_float(h); }
+  // A GGUF Q4_K super-block record (quant_dot.cpp's kKScales): float16 d, dmin, 8 bytes sc, 8 bytes m ->
+  // the 8 groups' scales d * sc and offsets -(dmin * m) (-dmin * m: the same value), exact in float32.
+  static void expand_k(const uint8_t* rec, float* s, float* o) {
+    uint16_t hd, hm;
+    std::memcpy(&hd, rec, sizeof hd);
+    std::memcpy(&hm, rec + 2, sizeof hm);
+    const float d = scale(hd), nm = -scale(hm);
+    for (int g = 0; g < 8; ++g) s[g] = d * static_cast<float>(rec[4 + g]), o[g] = nm * static_cast<float>(rec[12 + g]);
+  }
   // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
   // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
   template <class SC>
@@ -259,6 +268,15 @@ struct Avx2 {
   }
   static float scale(float s) { return s; }
   static float scale(uint16_t h) { return _cvtsh_ss(h); }
+  static void expand_k(const uint8_t* rec, float* s, float* o) {  // Portable::expand_k, 8 lanes at once
+    uint16_t hd, hm;
+    std::memcpy(&hd, rec, sizeof hd);
+    std::memcpy(&hm, rec + 2, sizeof hm);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 4))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 12))));
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(hd)), sc));
+    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(hm)), m));
+  }
   static __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
   static __m256 load8(const uint16_t* s) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));

@@ -1,0 +1,126 @@
+"""GGUF Q4_K weights on the integer-dot kernels holding the file's super-block factors.
+
+Q4_K's group scale d * sc and offset -dmin * m (kvpager.gguf.blocks) held as float32 cost 8 bytes per
+group of 32: 0.75 bytes a weight with the codes, a third more than the file's 0.5625, read on every
+decode step. KScaledInt4DotWeight holds instead, per row and super-block of 256, the file's float16
+d and dmin and the 8 six-bit scales and mins a byte each (K_RECORD_BYTES = 20): 0.578 bytes a weight.
+The integer-dot kernel (kernels/quant_dot.cpp, kKScales) expands the records of the rows it multiplies
+into float32 (the products are exact there, so they are the float32 form's values bit for bit) and
+runs its tiles and panels unchanged. Everything else that needs the float32 scales (the exact path a
+CPU hands large batches to, the bfloat16 GEMM, dequantize) goes through `float_form()`, an
+Int4DotWeight sharing the codes with the factors expanded for that call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpager.model.backends.quant_dot import Int4DotWeight, check_dynamic_group
+from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4
+from kvpager.model.backends.quant_weights import (
+    PackedWeight,
+    _interleavable,
+    _pack_int4,
+    _parts_join_interleaved,
+    interleave_rows,
+)
+
+K_SUPER = 256  # weights per super-block (ggml's QK_K)
+K_GROUPS = 8  # groups of 32 per super-block
+K_RECORD_BYTES = 20  # float16 d, float16 dmin, 8 six-bit scales, 8 six-bit mins (kvpager.gguf.blocks)
+FMT_K_SCALES = 1024  # or'ed into FMT_INT4: `scales` holds the records (kKScales in kernels/quant_dot.cpp)
+
+
+def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """records uint8 [N, S, K_RECORD_BYTES] -> (scales, offsets) float32 [N, S * K_GROUPS]: d * sc and
+    -(dmin * m), the values kvpager.gguf.blocks computes (exact in float32)."""
+    n, supers, _ = records.shape
+    halves = records[..., :4].contiguous().view(torch.float16).float()  # [N, S, 2]: d, dmin
+    sc, mins = records[..., 4 : 4 + K_GROUPS].float(), records[..., 4 + K_GROUPS :].float()
+    scales = halves[..., :1] * sc
+    offsets = -(halves[..., 1:] * mins)
+    return scales.reshape(n, supers * K_GROUPS), offsets.reshape(n, supers * K_GROUPS)
+
+
+class KScaledInt4DotWeight(Int4DotWeight):
+    """int4 codes (group 32, as Int4DotWeight) with Q4_K's super-block records for scales and offsets.
+
+    `packed` [N, K / 2] in the plain layout (interleaved here as Int4DotWeight does), `records`
+    [N, K / 256, K_RECORD_BYTES] uint8; K a multiple of 256."""
+
+    def __init__(
+        self, packed: torch.Tensor, records: torch.Tensor, in_features: int, interleave: bool | None = None
+    ) -> None:
+        PackedWeight.__init__(self)
+        out_features = packed.shape[0]
+        if in_features % K_SUPER != 0:
+            raise ValueError(f"KScaledInt4DotWeight: in_features must be a multiple of {K_SUPER}, got {in_features}")
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2):
+            raise ValueError(f"KScaledInt4DotWeight: packed must be uint8 [N, K / 2], got {tuple(packed.shape)}")
+        expected = (out_features, in_features // K_SUPER, K_RECORD_BYTES)
+        if records.dtype != torch.uint8 or tuple(records.shape) != expected:
+            raise ValueError(f"KScaledInt4DotWeight: records must be uint8 {expected}, got {tuple(records.shape)}")
+        check_dynamic_group(self.method, 32, in_features)
+        self.interleave = self.INTERLEAVE if interleave is None else interleave
+        self.interleaved = self.interleave and _interleavable(packed)
+        self.packed = interleave_rows(packed) if self.interleaved else packed.contiguous()
+        self.records = records.contiguous()
+        self.out_features, self.in_features, self.group_size = out_features, in_features, 32
+
+    @classmethod
+    def from_k_codes(
+        cls, codes: torch.Tensor, records: torch.Tensor, interleave: bool | None = None
+    ) -> KScaledInt4DotWeight:
+        """From unpacked codes [N, K] (integers 0..15) and the records."""
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+            raise ValueError("KScaledInt4DotWeight.from_k_codes: codes must lie in 0..15")
+        return cls(_pack_int4(codes.to(torch.uint8)), records, codes.shape[1], interleave)
+
+    @classmethod
+    def cat(cls, parts: list[KScaledInt4DotWeight]) -> KScaledInt4DotWeight:
+        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
+        first, records = parts[0], torch.cat([p.records for p in parts])
+        if _parts_join_interleaved(parts):
+            joined = cls(torch.cat([p.packed for p in parts]), records, first.in_features, interleave=False)
+            joined.interleave = joined.interleaved = True
+            return joined
+        return cls(torch.cat([p.plain_packed() for p in parts]), records, first.in_features, first.interleave)
+
+    def float_form(self) -> Int4DotWeight:
+        """The same weight as Int4DotWeight (float32 scales and offsets, expanded now; the codes shared)."""
+        scales, offsets = expand_k_records(self.records)
+        weight = Int4DotWeight(self.packed, scales, offsets, 32, self.in_features, interleave=False)
+        weight.interleave, weight.interleaved = self.interleave, self.interleaved
+        weight.max_level = self.max_level
+        return weight
+
+    def kernel_fmt(self) -> int:
+        return FMT_INT4 | FMT_K_SCALES | (FMT_ROWS4 if self.interleaved else 0)
+
+    @property
+    def symmetric(self) -> bool:
+        return False
+
+    def group_offsets(self) -> torch.Tensor:
+        return expand_k_records(self.records)[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.records)
+
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain_packed(), self.records)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.float_form().dequantize(dtype)
+
+    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.float_form().exact_matmul(x, bias)
+
+    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.float_form().bf16_matmul(x2, bias)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.packed.data_ptr(), self.records.data_ptr(), None
+
+
+__all__ = ["FMT_K_SCALES", "K_RECORD_BYTES", "KScaledInt4DotWeight", "expand_k_records"]
