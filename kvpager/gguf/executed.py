@@ -148,6 +148,6 @@ def packed_form(
     --gguf-int8-activations (types in INT8_DOT_TYPES run on the integer-dot kernels: DOT_FORMS)."""
     if not packed_kernels or not is_linear_weight(name):
         return None
-    if int8_activations and type_name in INT8_DOT_TYPES and type_name in DOT_FORMS:
+    if int8_activations and type_name in DOT_FORMS:  # (DOT_FORMS' types are INT8_DOT_TYPES)
         return DOT_FORMS[type_name]
     return PACKED_FORMS.get(type_name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpager.gguf.blocks import K_RECORD_BYTES, QK_K
 from kvpager.model.backends.quant_dot import Int4DotWeight, check_dynamic_group
 from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4
 from kvpager.model.backends.quant_weights import (
@@ -25,9 +26,8 @@ from kvpager.model.backends.quant_weights import (
     interleave_rows,
 )
 
-K_SUPER = 256  # weights per super-block (ggml's QK_K)
-K_GROUPS = 8  # groups of 32 per super-block
-K_RECORD_BYTES = 20  # float16 d, float16 dmin, 8 six-bit scales, 8 six-bit mins (kvpager.gguf.blocks)
+K_SUPER = QK_K  # weights per super-block
+K_GROUPS = K_SUPER // 32  # groups of 32 per super-block
 FMT_K_SCALES = 1024  # or'ed into FMT_INT4: `scales` holds the records (kKScales in kernels/quant_dot.cpp)
 
 
@@ -123,4 +123,4 @@ class KScaledInt4DotWeight(Int4DotWeight):
         return self.packed.data_ptr(), self.records.data_ptr(), None
 
 
-__all__ = ["FMT_K_SCALES", "K_RECORD_BYTES", "KScaledInt4DotWeight", "expand_k_records"]
+__all__ = ["FMT_K_SCALES", "KScaledInt4DotWeight", "expand_k_records"]

@@ -84,7 +84,6 @@ constexpr int64_t kKScales = 1024;
 constexpr int64_t kKGroups = 8;
 constexpr int64_t kKRecord = 20;
 
-
 // quant.cpp's: a symmetric int4 group's offset per unit of its scale (codes 0..15 stand for -8..7).
 constexpr float kSymmetricOffset = -8.0f;
 
