@@ -3,7 +3,8 @@
 The fused stack calls kvq_dot_linear with the scales, offsets, format value and group each weight's own
 matmul passes, and the other kernels in the per-op path's order, so a decode step gives the per-op
 path's logits and KV bit for bit; steps the per-op path would send elsewhere (weights capped at
-different kernel paths) stay layer by layer.
+different kernel paths) stay layer by layer. A projection stacked from row parts of different formats
+(gguf_packed.RowStack, as a Q4_K_M file's q/k/v) runs there too, one call per part.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import torch
 from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls, assert_fused_steps_equal_per_op
 
 from kvpager.model import load_model
-from kvpager.model.backends.fused_stack import FusedLayerStack, has_quantized_weights
+from kvpager.model.backends.fused_stack import FusedLayerStack, build_layer_table, has_quantized_weights
 from kvpager.model.backends.kernels.binding import KernelArgumentError
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import LEVEL_PORTABLE, quant_kernels_or_none
+from kvpager.model.backends.quant_weights import Int4Weight, PackedWeight
+from kvpager.model.gguf_packed import RowStack
 
 
 def _load(path: Path, quantization: str, group: int | None) -> object:
@@ -83,3 +86,88 @@ def test_the_layer_kernel_refuses_an_int8_activation_weight_without_the_dot_kern
     harness.step(steps[0])  # the prompts: layer by layer
     with pytest.raises(KernelArgumentError, match="needs dot_linear"):
         harness.step(steps[1])  # a decode step: the binding checks the table before the kernel runs
+
+
+def _row_stack(weight: PackedWeight, cuts: list[int], kinds: str) -> RowStack:
+    """The weight's values requantized as row parts [0, cuts[0]), [cuts[0], cuts[1]), ..., one per kind:
+    "4" int4 group 32 (int8 activations), "8" int8 group 32 (likewise), "e" exact int4 (not a dot weight)."""
+    dense, parts = weight.dequantize(), []
+    bounds = [0, *cuts, dense.shape[0]]
+    for kind, start, stop in zip(kinds, bounds[:-1], bounds[1:], strict=True):
+        rows = dense[start:stop]
+        if kind == "4":
+            parts.append(Int4DotWeight.from_float(rows, 32))
+        elif kind == "8":
+            parts.append(Int8DotWeight.from_float(rows, 32))
+        else:
+            parts.append(Int4Weight.from_float(rows, 32))
+    return RowStack(parts)
+
+
+def _restack(model: object, qkv: tuple[list[int], str], gate_up: tuple[list[int], str] | None = None) -> None:
+    """Every layer's q/k/v (and gate/up) as a RowStack of the given cuts (in units of the q/k/v size's
+    parts: q, k, v; gate, up) and kinds."""
+    for layer in model.layers:  # type: ignore[attr-defined]
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj.weight = _row_stack(attn.qkv_proj.weight, *qkv)
+        if gate_up is not None:
+            mlp.gate_up_proj.weight = _row_stack(mlp.gate_up_proj.weight, *gate_up)
+
+
+def _qkv_cuts(model: object) -> tuple[int, int]:
+    spec = model.spec  # type: ignore[attr-defined]
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return q, q + kv
+
+
+@pytest.mark.parametrize("parts", ["qk4_v8", "q4_k8_v4_gate8_up4"])
+@pytest.mark.parametrize("case", ["llama", "qwen2"])
+def test_row_stacks_of_int8_activation_parts_run_fused_and_equal_the_per_op_path(
+    llama_checkpoint: Path, qwen2_checkpoint: Path, case: str, parts: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = llama_checkpoint if case == "llama" else qwen2_checkpoint  # qwen2: the biases split per part
+    model = _load(path, "w4a8_int8", 32)
+    q, qk = _qkv_cuts(model)
+    if parts == "qk4_v8":  # a Q4_K_M file's q/k/v: 4-bit q and k, 6-bit (int8 here) v
+        _restack(model, ([qk], "48"))
+    else:  # three parts, and the MLP's gate/up split too
+        inter = model.spec.intermediate_size
+        _restack(model, ([q, qk], "484"), ([inter], "84"))
+    assert not has_quantized_weights(model.layers)
+    taken = assert_fused_steps_equal_per_op(model, _steps(path), monkeypatch)
+    assert taken == [False, True, True, True]  # prefill layer by layer; 3 rows (parts copied), 3, 1 fused
+
+
+@pytest.mark.parametrize("kinds", ["4e", "4848"])
+def test_row_stacks_the_layer_kernel_cannot_read_run_layer_by_layer(
+    llama_checkpoint: Path, kinds: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _load(llama_checkpoint, "w4a8_int8", 32)
+    q, qk = _qkv_cuts(model)
+    # an exact-int4 part (no int8 activations), or four parts (more than the table holds)
+    _restack(model, ([qk], kinds) if kinds == "4e" else ([q // 2, q, qk], kinds))
+    assert has_quantized_weights(model.layers)
+    assert build_layer_table(model.layers, model.spec.rms_norm_eps) is None
+    fused_calls = _spy_fused_calls(model, monkeypatch)
+    harness = PagedHarness(model, block_size=4)
+    for batch in _steps(llama_checkpoint)[:2]:
+        harness.step(batch)
+    assert fused_calls == [False, False]
+
+
+def test_the_layer_kernel_refuses_row_parts_wider_than_their_weight(
+    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _load(llama_checkpoint, "w4a8_int8", 32)
+    _restack(model, ([_qkv_cuts(model)[1]], "48"))
+    harness = PagedHarness(model, block_size=4)
+    steps = _steps(llama_checkpoint)
+    harness.step(steps[0])
+    built = build_layer_table(model.layers, model.spec.rms_norm_eps)
+    assert built is not None
+    built.dot_weights[0, 0, 9] = 10_000  # the v part's rows: more than q/k/v's width
+    monkeypatch.setattr(FusedLayerStack, "_layer_table", lambda self, layers, eps: built)
+    before = harness.kv_cache.clone()
+    with pytest.raises(KernelArgumentError, match="further row parts"):
+        harness.step(steps[1])
+    assert torch.equal(harness.kv_cache, before)  # refused before the kernel wrote anything

@@ -6,8 +6,10 @@ The kernel reads each layer's tensors through a table of raw addresses (`build_l
 weights row-major or in column blocks, packed 16-bit weights (Bf16Weight / F16Weight), whose
 multiplies call the packed-weight library's kvq_linear, and int8 / int4 weights with int8 activations
 (Int8DotWeight / Int4DotWeight: w8a8_int8, w4a8_int8, GGUF files with --gguf-int8-activations), whose
-multiplies call its kvq_dot_linear: in each case the kernel their per-op matmul calls. Other quantized
-weights (the exact int8 / int4 formats, GGUF row stacks of mixed formats) run layer by layer.
+multiplies call its kvq_dot_linear: in each case the kernel their per-op matmul calls. A GGUF projection
+whose row parts differ in format (gguf_packed.RowStack: a Q4_K_M file's q/k at 4 bits, v at 6) runs
+there too when every part is such a weight: one kvq_dot_linear call per part, into its columns. Other
+quantized weights (the exact int8 / int4 formats, stacks with other parts) run layer by layer.
 """
 
 from __future__ import annotations
@@ -30,12 +32,20 @@ from kvpager.model.backends.kernel_checks import (
     medium_precision,
     unfit,
 )
-from kvpager.model.backends.kernels.abi import DOT_LAYOUT, KV_FORMATS
+from kvpager.model.backends.kernels.abi import (
+    DOT_DESCRIPTOR_WIDTH,
+    DOT_EXTRA_PARTS,
+    DOT_LAYOUT,
+    DOT_PART_WIDTH,
+    KV_FORMATS,
+    decode_layers_scratch,
+)
 from kvpager.model.backends.kernels.build import KernelLibrary
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import NATIVE_BF16_MIN_ROWS, Bf16Weight, HalfWeight
 from kvpager.model.backends.weight_layout import blocked_stride
+from kvpager.model.gguf_packed import RowStack
 from kvpager.model.spec import ModelSpec
 
 # Decode-only steps of at most this many rows run the whole layer stack in one kernel call when every
@@ -111,8 +121,9 @@ class FusedLayerStack:
             self.fallbacks.record("decode_layers", "KV cache or hidden size differ from the model's spec")
             return None
         hidden, inter = x.shape[1], spec.intermediate_size
-        q_size, kv_size = spec.num_heads * head_dim, num_kv_heads * head_dim
-        scratch = torch.empty(rows * (2 * q_size + 2 * kv_size + 3 * inter + hidden), dtype=torch.float32)
+        sizes = {"M": rows, "H": hidden, "inter": inter, "num_heads": spec.num_heads}
+        sizes |= {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        scratch = torch.empty(decode_layers_scratch(sizes), dtype=torch.float32)
         residual = torch.empty_like(x)
         self._decode_layers(
             x=x,
@@ -204,8 +215,9 @@ class LayerTable:
     """kvp_decode_layers' tables for a stack of layers and the packed weights they point into.
 
     `table` [L, 16] int64: each layer's tensor addresses and its four weights' layout codes;
-    `dot_weights` [L, 4, 4] int64: per weight, for the int8-activation ones (DOT_LAYOUT), the addresses
-    of its scales and offsets (0: none), its kernel format value and group size; zeros for the others."""
+    `dot_weights` [L, 4, DOT_DESCRIPTOR_WIDTH] int64: per weight, for the int8-activation ones
+    (DOT_LAYOUT), the addresses of its (first part's) scales and offsets (0: none), its kernel format
+    value and group size, then a RowStack's further parts (`_dot_descriptor`); zeros for the others."""
 
     table: torch.Tensor
     dot_weights: torch.Tensor
@@ -231,7 +243,7 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
         if any(code is None for code in layouts):  # quantized weights (or a kind the kernels lack): layer by layer
             return None
         halves.extend(w for w in weights if isinstance(w, HalfWeight))
-        dots.extend(w for w in weights if isinstance(w, DotWeight))
+        dots.extend(part for w in weights for part in dot_parts(w) or [])
         # the tensors the kernels read: a packed 16-bit weight's own 16-bit tensor, an int8-activation
         # weight's codes (its scales and offsets go to dot_weights)
         dense = [_read_tensor(w) for w in weights]
@@ -254,7 +266,7 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
             all_eps.add(attn.q_norm.eps)
         # float32 weights row-major or in column blocks; a packed 16-bit weight contiguous by construction
         blocked = {id(t) for t, code in zip(dense, layouts, strict=True) if code and code > 0}
-        half = {id(t) for w, t in zip(weights, dense, strict=True) if isinstance(w, HalfWeight | DotWeight)}
+        half = {id(t) for w, t in zip(weights, dense, strict=True) if isinstance(w, HalfWeight) or dot_parts(w)}
         if any(
             t is not None and id(t) not in half and not (f32(t) and (t.is_contiguous() or id(t) in blocked))
             for t in tensors
@@ -269,26 +281,45 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
     table, dot_weights = torch.tensor(rows, dtype=torch.int64), torch.tensor(dot_rows, dtype=torch.int64)
     codes = table[:, LAYER_TABLE_ADDRESSES:]
     all_blocked, all_dot = bool((codes > 0).all()), bool((codes == DOT_LAYOUT).all())
-    return LayerTable(table, dot_weights.view(len(rows), 4, 4), halves, dots, all_blocked, all_dot)
+    return LayerTable(table, dot_weights.view(len(rows), 4, DOT_DESCRIPTOR_WIDTH), halves, dots, all_blocked, all_dot)
+
+
+def dot_parts(weight: Any) -> list[DotWeight] | None:
+    """The int8-activation weights a weight multiplies with, in row order: itself, or a RowStack's parts
+    when every one is such a weight (at most 1 + DOT_EXTRA_PARTS); None otherwise."""
+    if isinstance(weight, DotWeight):
+        return [weight]
+    if isinstance(weight, RowStack) and len(weight.parts) <= 1 + DOT_EXTRA_PARTS:
+        parts = [p for p in weight.parts if isinstance(p, DotWeight)]
+        return parts if len(parts) == len(weight.parts) else None
+    return None
 
 
 def _read_tensor(weight: Any) -> Any:
     """The tensor of a weight that the kernels read through the layer table."""
     if isinstance(weight, HalfWeight):
         return weight.weight
-    if isinstance(weight, DotWeight):
-        return weight.tensors()[0]  # the codes (int8 values, or int4 pairs in their stored layout)
+    parts = dot_parts(weight)
+    if parts is not None:
+        return parts[0].tensors()[0]  # the codes (int8 values, or int4 pairs in their stored layout)
     return weight
 
 
 def _dot_descriptor(weight: Any) -> list[int]:
-    """dot_weights' row for a weight: (scales, offsets or 0, kernel format value, group); zeros unless
-    an int8-activation weight."""
-    if not isinstance(weight, DotWeight):
-        return [0, 0, 0, 0]
-    _, scales, offsets = weight._pointers()  # what its own matmul hands kvq_dot_linear
-    assert scales is not None
-    return [scales, offsets or 0, weight.kernel_fmt(), weight.group_size]
+    """dot_weights' row for a weight (DOT_DESCRIPTOR_WIDTH values): its first part's (scales, offsets or
+    0, kernel format value, group), then per further part (codes, scales, offsets or 0, format value,
+    group, rows), zeros where absent; all zeros unless an int8-activation weight or a stack of them."""
+    descriptor = [0] * DOT_DESCRIPTOR_WIDTH
+    for i, part in enumerate(dot_parts(weight) or []):
+        codes, scales, offsets = part._pointers()  # what its own matmul hands kvq_dot_linear
+        assert scales is not None
+        entry = [scales, offsets or 0, part.kernel_fmt(), part.group_size]
+        if i == 0:
+            descriptor[:4] = entry
+        else:
+            start = 4 + (i - 1) * DOT_PART_WIDTH
+            descriptor[start : start + DOT_PART_WIDTH] = [codes, *entry, part.out_features]
+    return descriptor
 
 
 def table_layout(weight: Any) -> int | None:
@@ -297,8 +328,9 @@ def table_layout(weight: Any) -> int | None:
     (an int8-activation weight, kvq_dot_linear), None (anything else: the layers run one by one)."""
     if isinstance(weight, HalfWeight):
         return -(weight.fmt + 1) if weight.device.type == "cpu" else None
-    if isinstance(weight, DotWeight):
-        return DOT_LAYOUT if weight.device.type == "cpu" else None
+    parts = dot_parts(weight)
+    if parts is not None:
+        return DOT_LAYOUT if all(part.device.type == "cpu" for part in parts) else None
     if isinstance(weight, torch.Tensor):
         return blocked_stride(weight)
     return None
@@ -308,7 +340,7 @@ def has_quantized_weights(layers: Sequence[Any]) -> bool:
     """Whether a layer holds a quantized weight the fused stack does not read (it reads float32, 16-bit
     and int8-activation weights)."""
     return any(
-        not isinstance(w, torch.Tensor | HalfWeight | DotWeight)
+        not isinstance(w, torch.Tensor | HalfWeight) and dot_parts(w) is None
         for layer in layers
         for w in (
             layer.self_attn.qkv_proj.weight,

@@ -22,6 +22,28 @@ KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
 LAYER_TABLE_ADDRESSES = 12  # addresses per layer; then the four weights' layouts (< 0: a packed 16-bit weight)
 DOT_LAYOUT = -1024  # a weight's layout code for kvq_dot_linear (int8 activations): kDotLayout in common.h
+# per weight in kvp_decode_layers' dot_weights: the first part's scales, offsets, format value and group,
+# then DOT_EXTRA_PARTS further row parts of DOT_PART_WIDTH (codes, scales, offsets, format value, group,
+# rows; zeros when absent): kDotDescriptorWidth, kDotExtraParts and kDotPartWidth in common.h
+DOT_EXTRA_PARTS = 2
+DOT_PART_WIDTH = 6
+DOT_DESCRIPTOR_WIDTH = 4 + DOT_EXTRA_PARTS * DOT_PART_WIDTH
+
+
+def _extra_part_rows_fit(t: Mapping[str, torch.Tensor], s: Mapping[str, int]) -> bool:
+    """Each weight's further row parts (dot_weights) hold non-negative row counts that leave its first
+    part at least one row of the weight's output width (q/k/v, o, gate/up, down)."""
+    qkv = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
+    widths = torch.tensor([qkv, s["H"], 2 * s["inter"], s["H"]], dtype=torch.int64)
+    rows = t["dot_weights"][:, :, 4 + DOT_PART_WIDTH - 1 :: DOT_PART_WIDTH]  # [L, 4, DOT_EXTRA_PARTS]
+    return bool((rows >= 0).all() and (rows.sum(-1) < widths).all())
+
+
+def decode_layers_scratch(s: Mapping[str, int]) -> int:
+    """The floats kvp_decode_layers' scratch holds for M rows (sizes as named in its spec): q/k/v,
+    attention, gate/up, the activation and a normed row, then one row part's output."""
+    q, kv, inter, hidden = s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"], s["inter"], s["H"]
+    return s["M"] * (2 * q + 2 * kv + 3 * inter + hidden + max(q + 2 * kv, 2 * inter, hidden))
 
 
 def _layout_codes(t: Mapping[str, torch.Tensor]) -> list[int]:
@@ -297,19 +319,15 @@ SPECS: tuple[KernelSpec, ...] = (
             ("packed_level", Int()),
             ("dot_linear", Int()),  # kvq_dot_linear's address (an int8-activation weight in the table), else 0
             ("dot_level", Int()),
-            ("dot_weights", Tensor(I64, ("num_layers", 4, 4))),  # per weight: scales, offsets, format, group
+            ("dot_weights", Tensor(I64, ("num_layers", 4, DOT_DESCRIPTOR_WIDTH))),  # per weight: see above
         ),
         checks=(
             _GQA,
             _HALF,
             _PARTITION,
             (
-                "scratch holds M * (2 q + 2 kv + 3 inter + H) floats",
-                lambda s: (
-                    s["inter"] > 0
-                    and s["scratch_size"]
-                    >= s["M"] * (2 * (s["num_heads"] + s["num_kv_heads"]) * s["head_dim"] + 3 * s["inter"] + s["H"])
-                ),
+                "scratch holds M * (2 q + 2 kv + 3 inter + H + max(q + 2 kv, 2 inter, H)) floats",
+                lambda s: s["inter"] > 0 and s["scratch_size"] >= decode_layers_scratch(s),
             ),
         ),
         dtype_checks=(_kv_format_check("kv_cache"),),
@@ -321,6 +339,10 @@ SPECS: tuple[KernelSpec, ...] = (
             (
                 "an int8-activation weight in the layer table needs dot_linear (kvq_dot_linear's address)",
                 lambda t, s: s["dot_linear"] != 0 or DOT_LAYOUT not in _layout_codes(t),
+            ),
+            (
+                "dot_weights' further row parts leave each weight's first part at least one row",
+                _extra_part_rows_fit,
             ),
         ),
     ),

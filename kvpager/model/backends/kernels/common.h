@@ -37,6 +37,12 @@ constexpr int64_t kLayerTableWidth = 16;
 // The layer table's layout code of an int8 / int4 weight with int8 activations (kvq_dot_linear;
 // fused_stack.DOT_LAYOUT). Block strides are > 0, packed 16-bit weights -(fmt + 1) for fmt 0..3.
 constexpr int64_t kDotLayout = -1024;
+// Entries per weight in kvp_decode_layers' dot_weights (fused_stack.DOT_DESCRIPTOR_WIDTH): the first
+// part's scales, offsets, format value and group, then up to kDotExtraParts more row parts (a GGUF
+// projection whose parts differ in format) as (codes, scales, offsets, format value, group, rows).
+constexpr int64_t kDotDescriptorWidth = 16;
+constexpr int64_t kDotExtraParts = 2;
+constexpr int64_t kDotPartWidth = 6;
 
 // KV cache elements: float32, bfloat16 held as its upper 16 bits (torch's layout and rounding), or
 // IEEE float16 (a distinct type so that every template below picks its own conversion).

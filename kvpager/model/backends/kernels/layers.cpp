@@ -258,11 +258,15 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // `packed_level`, the very kernel the per-op path calls for the weight, so both compute the same values;
 // kvp::kDotLayout for an int8 / int4 weight with int8 activations: that multiply runs `dot_linear`, the
 // library's kvq_dot_linear, capped at `dot_level`, with the weight's scales, offsets (0: none), format
-// value and group from `dot_weights` [num_layers, 4 weights, 4] (likewise the per-op path's kernel).
+// value and group from `dot_weights` [num_layers, 4 weights, kDotDescriptorWidth] (likewise the per-op
+// path's kernel). A weight stacked from row parts of different formats (gguf_packed.RowStack) lists
+// its further parts there too: each part is multiplied by its own call, into its columns of the output,
+// as RowStack.matmul does.
 // On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
-// M * (q_size + 2 kv_size + q_size + 2 inter + inter + H) floats.
+// M * (q_size + 2 kv_size + q_size + 2 inter + inter + H + max(q_size + 2 kv_size, 2 inter, H)) floats
+// (the last region: a row part's output when M > 1, before it moves to its columns).
 void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t num_layers, const int64_t* layers,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
                        void* kv_cache, int64_t num_blocks, int64_t block_size, const float* cos, const float* sin,
@@ -278,15 +282,34 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   float* gate_up = attn + M * q_size;
   float* act = gate_up + M * 2 * inter;
   float* h = act + M * inter;
+  float* part_out = h + M * H;
   auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
   const auto packed = reinterpret_cast<PackedLinear>(packed_linear);
   const auto dot = reinterpret_cast<DotLinear>(dot_linear);
-  // d: the weight's dot_weights row (scales, offsets, format value, group)
+  // one row part of an int8-activation weight: rows [row0, row0 + rows) of the output's N columns
+  auto dot_part = [&](const float* in, int64_t K, int64_t w, const int64_t* part, int64_t N, int64_t row0,
+                      int64_t rows, int64_t bias, float* out) {
+    const float* b = bias != 0 ? f(bias) + row0 : nullptr;
+    // one input row: the part's columns are contiguous in the output, so it writes them in place
+    float* dst = rows == N || M == 1 ? out + row0 : part_out;
+    dot(part[2], in, M, K, reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(part[0]), f(part[1]), rows,
+        part[3], b, dst, omp_get_max_threads(), dot_level);
+    if (dst == part_out)
+      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + row0, part_out + m * rows, rows * sizeof(float));
+  };
+  // d: the weight's dot_weights row (see above)
   auto linear = [&](const float* in, int64_t K, int64_t w, int64_t bs, int64_t N, int64_t bias, float* out,
                     const int64_t* d) {
     if (bs == kvp::kDotLayout) {
-      dot(d[2], in, M, K, reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(d[0]), f(d[1]), N, d[3],
-          f(bias), out, omp_get_max_threads(), dot_level);
+      int64_t first = N;
+      for (int64_t i = 0; i < kvp::kDotExtraParts; ++i) first -= d[4 + i * kvp::kDotPartWidth + 5];
+      dot_part(in, K, w, d, N, 0, first, bias, out);
+      for (int64_t i = 0, row0 = first; i < kvp::kDotExtraParts; ++i) {
+        const int64_t* part = d + 4 + i * kvp::kDotPartWidth;  // codes, scales, offsets, format, group, rows
+        if (part[5] == 0) continue;
+        dot_part(in, K, part[0], part + 1, N, row0, part[5], bias, out);
+        row0 += part[5];
+      }
     } else if (bs < 0) {
       packed(-bs - 1, in, M, K, reinterpret_cast<const void*>(w), nullptr, nullptr, N, K, f(bias), out,
              omp_get_max_threads(), packed_level);
@@ -299,7 +322,7 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   std::memcpy(residual, x, M * H * sizeof(float));
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kvp::kLayerTableWidth;
-    const int64_t* d = dot_weights + l * 16;  // four weights' (scales, offsets, format value, group)
+    const int64_t* d = dot_weights + l * 4 * kvp::kDotDescriptorWidth;  // four weights' descriptors
     char* k_cache = static_cast<char*>(kv_cache) + l * 2 * half_stride;
     if (l == 0) {
       kvp_rms_norm(residual, H, f(p[0]), h, H, M, H, eps);
@@ -312,11 +335,11 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
     kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
                      k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition,
                      kv_format);
-    linear(attn, q_size, p[3], p[13], H, p[4], x, d + 4);
+    linear(attn, q_size, p[3], p[13], H, p[4], x, d + kvp::kDotDescriptorWidth);
     kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
-    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up, d + 8);
+    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up, d + 2 * kvp::kDotDescriptorWidth);
     kvp_silu_mul(gate_up, act, M, inter);
-    linear(act, inter, p[8], p[15], H, p[9], x, d + 12);
+    linear(act, inter, p[8], p[15], H, p[9], x, d + 3 * kvp::kDotDescriptorWidth);
   }
 }
 
