@@ -6,8 +6,6 @@
   dequantized weight) to float32 rounding;
 - a whole model's logits stay within a measured bound of the exact packed model's, and its KV
   fingerprint differs from the exact model's (other arithmetic, other KV);
-- decode steps of a Q4_K_M file (q/k/v stacked from 4- and 6-bit parts) run the fused layer stack and
-  equal the per-op path bit for bit;
 - the flag is refused with --quantization and on a safetensors checkpoint, naming the problem.
 """
 
@@ -17,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_equivalence import PagedHarness, assert_fused_steps_equal_per_op
+from test_model_equivalence import PagedHarness
 
 from kvpager.core.config import EngineConfig
 from kvpager.engine.engine import Engine
 from kvpager.model import load_model
-from kvpager.model.backends.fused_stack import has_quantized_weights
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight, reference_matmul
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight
@@ -83,20 +80,6 @@ def test_logits_stay_within_the_activation_rounding_bound(name: str, capsys: pyt
         print(f"\n{name} --gguf-int8-activations: logits max |diff| vs exact {diff:.2e}; top-1 agreement {agree:.0%}")
     assert 0 < diff < LOGIT_BOUND
     assert agree >= 7 / 8
-
-
-def test_q4_k_m_decode_steps_run_the_fused_stack_with_their_mixed_row_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = load_model(DATA / "tiny-llama-Q4_K_M.gguf", dtype=torch.float32, device="cpu", gguf_int8_activations=True)
-    if model.ops.name != "cpu":
-        pytest.skip("no C++ compiler here: no kernels, no fused layer stack")
-    stacks = [layer.self_attn.qkv_proj.weight for layer in model.layers]
-    assert any(isinstance(w, RowStack) for w in stacks)  # the file's 6-bit attn_v beside 4-bit q and k
-    assert not has_quantized_weights(model.layers)
-    prompts = [PROMPT, PROMPT[3:], [5, 6, 7]]
-    steps = [[(str(i), p) for i, p in enumerate(prompts)]]
-    steps += [[(str(i), [11 * t + i + 2]) for i in range(3)] for t in range(2)] + [[("0", [42])]]
-    taken = assert_fused_steps_equal_per_op(model, steps, monkeypatch)
-    assert taken == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused
 
 
 def test_fingerprint_differs_from_the_exact_model() -> None:

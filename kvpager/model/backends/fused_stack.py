@@ -6,10 +6,11 @@ The kernel reads each layer's tensors through a table of raw addresses (`build_l
 weights row-major or in column blocks, packed 16-bit weights (Bf16Weight / F16Weight), whose
 multiplies call the packed-weight library's kvq_linear, and int8 / int4 weights with int8 activations
 (Int8DotWeight / Int4DotWeight: w8a8_int8, w4a8_int8, GGUF files with --gguf-int8-activations), whose
-multiplies call its kvq_dot_linear: in each case the kernel their per-op matmul calls. A GGUF projection
-whose row parts differ in format (gguf_packed.RowStack: a Q4_K_M file's q/k at 4 bits, v at 6) runs
-there too when every part is such a weight: one kvq_dot_linear call per part, into its columns. Other
-quantized weights (the exact int8 / int4 formats, stacks with other parts) run layer by layer.
+multiplies call its kvq_dot_linear, and exact int8 / int4 weights (Int8Weight / Int4Weight:
+`--quantization int8|int4`, GGUF files without --gguf-int8-activations), whose multiplies of these few
+rows call kvq_linear: in each case the kernel their per-op matmul calls. A GGUF projection whose row
+parts differ in format (gguf_packed.RowStack: a Q4_K_M file's q/k at 4 bits, v at 6) runs there too,
+one call per part into its columns. Other weights (GGUF Q5_K's int8 with offsets) run layer by layer.
 """
 
 from __future__ import annotations
@@ -33,17 +34,25 @@ from kvpager.model.backends.kernel_checks import (
     unfit,
 )
 from kvpager.model.backends.kernels.abi import (
-    DOT_DESCRIPTOR_WIDTH,
-    DOT_EXTRA_PARTS,
-    DOT_LAYOUT,
-    DOT_PART_WIDTH,
     KV_FORMATS,
+    MAX_PARTS,
+    PART_DOT,
+    PART_PACKED,
+    PART_WIDTH,
+    PARTS_LAYOUT,
     decode_layers_scratch,
 )
 from kvpager.model.backends.kernels.build import KernelLibrary
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
-from kvpager.model.backends.quant_weights import NATIVE_BF16_MIN_ROWS, Bf16Weight, HalfWeight
+from kvpager.model.backends.quant_weights import (
+    NATIVE_BF16_MIN_ROWS,
+    Bf16Weight,
+    HalfWeight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+)
 from kvpager.model.backends.weight_layout import blocked_stride
 from kvpager.model.gguf_packed import RowStack
 from kvpager.model.spec import ModelSpec
@@ -57,6 +66,7 @@ FUSED_MAX_ROWS = 64
 LAYER_TABLE_ADDRESSES = 12
 LAYER_TABLE_WIDTH = 16
 DotWeight = Int8DotWeight | Int4DotWeight
+ExactWeight = Int8Weight | Int4Weight  # (not DotWeight: checked first)
 
 
 class FusedLayerStack:
@@ -97,7 +107,7 @@ class FusedLayerStack:
         built = self._layer_table(layers, spec.rms_norm_eps) if reason is None else None
         table = built.table if built is not None else None
         if reason is None and table is None and has_quantized_weights(layers):
-            return None  # by design: quantized weights other than the int8-activation ones run layer by layer
+            return None  # by design: quantized weights weight_parts does not take run layer by layer
         if reason is None and table is None:
             reason = "a layer's tensors are not float32 and contiguous on the CPU, or the norms' eps differ"
         if reason is not None or table is None:
@@ -147,7 +157,7 @@ class FusedLayerStack:
             packed_level=packed[1],
             dot_linear=dot[0],
             dot_level=dot[1],
-            dot_weights=built.dot_weights,
+            weight_parts=built.weight_parts,
         )
         return x, residual
 
@@ -168,14 +178,15 @@ class FusedLayerStack:
         return SMALL_BATCH_LINEAR
 
     def _packed_linear(self, built: LayerTable) -> tuple[int, int] | None:
-        """(kvq_linear's address, the kernel path cap) for the packed 16-bit weights of a layer table
-        ((0, 0) when there are none); None when their caps (PackedWeight.max_level) differ."""
-        halves = built.halves
-        if not halves:
+        """(kvq_linear's address, the kernel path cap) for the packed 16-bit weights and exact int8 / int4
+        parts of a layer table ((0, 0) when there are none); None when their caps (PackedWeight.max_level)
+        differ."""
+        packed: list[PackedWeight] = [*built.halves, *built.exact]
+        if not packed:
             return 0, 0
         kernels = quant_kernels_or_none()
-        assert kernels is not None  # NOTE: the table holds 16-bit weights only when the library loaded
-        levels = {kernels.default_level if w.max_level is None else w.max_level for w in halves}
+        assert kernels is not None  # NOTE: the table holds such weights only when the library loaded
+        levels = {kernels.default_level if w.max_level is None else w.max_level for w in packed}
         if len(levels) != 1:
             return None
         address = ctypes.cast(kernels.linear, ctypes.c_void_p).value
@@ -215,26 +226,28 @@ class LayerTable:
     """kvp_decode_layers' tables for a stack of layers and the packed weights they point into.
 
     `table` [L, 16] int64: each layer's tensor addresses and its four weights' layout codes;
-    `dot_weights` [L, 4, DOT_DESCRIPTOR_WIDTH] int64: per weight, for the int8-activation ones
-    (DOT_LAYOUT), the addresses of its (first part's) scales and offsets (0: none), its kernel format
-    value and group size, then a RowStack's further parts (`_dot_descriptor`); zeros for the others."""
+    `weight_parts` [L, 4, MAX_PARTS, PART_WIDTH] int64: per quantized weight (PARTS_LAYOUT), its row
+    parts (`_part_rows`); zeros for the others."""
 
     table: torch.Tensor
-    dot_weights: torch.Tensor
+    weight_parts: torch.Tensor
     halves: list[HalfWeight]
-    dots: list[DotWeight]
+    dots: list[DotWeight]  # int8-activation parts (kvq_dot_linear)
+    exact: list[ExactWeight]  # exact int8 / int4 parts (kvq_linear)
     all_blocked: bool  # every weight in column blocks
-    all_dot: bool  # every weight an int8-activation one
+    all_dot: bool  # every weight's parts int8-activation ones
 
 
 def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
     """The layer tables; None when a tensor is not float32 on the CPU, contiguous or (a weight) in
-    column blocks, a packed 16-bit weight or an int8-activation weight, or the norms' eps differ (then
-    the layers run one by one)."""
+    column blocks, a packed 16-bit weight or a quantized weight `weight_parts` accepts, or the norms'
+    eps differ (then the layers run one by one)."""
     rows: list[list[int]] = []
-    dot_rows: list[list[list[int]]] = []
+    part_rows: list[list[list[list[int]]]] = []
     halves: list[HalfWeight] = []
     dots: list[DotWeight] = []
+    exact: list[ExactWeight] = []
+    all_dot = True
     all_eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -243,11 +256,14 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
         if any(code is None for code in layouts):  # quantized weights (or a kind the kernels lack): layer by layer
             return None
         halves.extend(w for w in weights if isinstance(w, HalfWeight))
-        dots.extend(part for w in weights for part in dot_parts(w) or [])
-        # the tensors the kernels read: a packed 16-bit weight's own 16-bit tensor, an int8-activation
-        # weight's codes (its scales and offsets go to dot_weights)
+        parts = [weight_parts(w) or [] for w in weights]
+        dots.extend(p for w in parts for p in w if isinstance(p, DotWeight))
+        exact.extend(p for w in parts for p in w if not isinstance(p, DotWeight))
+        all_dot = all_dot and all(w and all(isinstance(p, DotWeight) for p in w) for w in parts)
+        # the tensors the kernels read: a packed 16-bit weight's own 16-bit tensor, a quantized weight's
+        # (first part's) codes (its parts, with their scales and offsets, go to weight_parts)
         dense = [_read_tensor(w) for w in weights]
-        dot_rows.append([_dot_descriptor(w) for w in weights])
+        part_rows.append([_part_rows(w) for w in parts])
         tensors = [
             layer.input_layernorm.weight,
             dense[0],
@@ -264,33 +280,33 @@ def build_layer_table(layers: Sequence[Any], eps: float) -> LayerTable | None:
         ]
         if attn.q_norm is not None:
             all_eps.add(attn.q_norm.eps)
-        # float32 weights row-major or in column blocks; a packed 16-bit weight contiguous by construction
+        # float32 weights row-major or in column blocks; packed and quantized weights contiguous by construction
         blocked = {id(t) for t, code in zip(dense, layouts, strict=True) if code and code > 0}
-        half = {id(t) for w, t in zip(weights, dense, strict=True) if isinstance(w, HalfWeight) or dot_parts(w)}
+        packed = {id(t) for w, t in zip(weights, dense, strict=True) if isinstance(w, HalfWeight) or weight_parts(w)}
         if any(
-            t is not None and id(t) not in half and not (f32(t) and (t.is_contiguous() or id(t) in blocked))
+            t is not None and id(t) not in packed and not (f32(t) and (t.is_contiguous() or id(t) in blocked))
             for t in tensors
         ):
             return None
         rows.append([t.data_ptr() if t is not None else 0 for t in tensors] + [int(code or 0) for code in layouts])
         assert len(rows[-1]) == LAYER_TABLE_WIDTH and len(tensors) == LAYER_TABLE_ADDRESSES
-    if (halves or dots) and quant_kernels_or_none() is None:
+    if (halves or dots or exact) and quant_kernels_or_none() is None:
         return None
     if all_eps != {eps}:
         return None
-    table, dot_weights = torch.tensor(rows, dtype=torch.int64), torch.tensor(dot_rows, dtype=torch.int64)
-    codes = table[:, LAYER_TABLE_ADDRESSES:]
-    all_blocked, all_dot = bool((codes > 0).all()), bool((codes == DOT_LAYOUT).all())
-    return LayerTable(table, dot_weights.view(len(rows), 4, DOT_DESCRIPTOR_WIDTH), halves, dots, all_blocked, all_dot)
+    table, parts_table = torch.tensor(rows, dtype=torch.int64), torch.tensor(part_rows, dtype=torch.int64)
+    all_blocked = bool((table[:, LAYER_TABLE_ADDRESSES:] > 0).all())
+    return LayerTable(table, parts_table, halves, dots, exact, all_blocked, all_dot)
 
 
-def dot_parts(weight: Any) -> list[DotWeight] | None:
-    """The int8-activation weights a weight multiplies with, in row order: itself, or a RowStack's parts
-    when every one is such a weight (at most 1 + DOT_EXTRA_PARTS); None otherwise."""
-    if isinstance(weight, DotWeight):
+def weight_parts(weight: Any) -> list[DotWeight | ExactWeight] | None:
+    """The quantized weights a weight multiplies with, in row order: itself (an int8-activation or exact
+    int8 / int4 weight), or a RowStack's parts when every one is such a weight (at most MAX_PARTS);
+    None otherwise (other weights, or a tensor)."""
+    if isinstance(weight, DotWeight | ExactWeight):
         return [weight]
-    if isinstance(weight, RowStack) and len(weight.parts) <= 1 + DOT_EXTRA_PARTS:
-        parts = [p for p in weight.parts if isinstance(p, DotWeight)]
+    if isinstance(weight, RowStack) and len(weight.parts) <= MAX_PARTS:
+        parts = [p for p in weight.parts if isinstance(p, DotWeight | ExactWeight)]
         return parts if len(parts) == len(weight.parts) else None
     return None
 
@@ -299,48 +315,44 @@ def _read_tensor(weight: Any) -> Any:
     """The tensor of a weight that the kernels read through the layer table."""
     if isinstance(weight, HalfWeight):
         return weight.weight
-    parts = dot_parts(weight)
+    parts = weight_parts(weight)
     if parts is not None:
         return parts[0].tensors()[0]  # the codes (int8 values, or int4 pairs in their stored layout)
     return weight
 
 
-def _dot_descriptor(weight: Any) -> list[int]:
-    """dot_weights' row for a weight (DOT_DESCRIPTOR_WIDTH values): its first part's (scales, offsets or
-    0, kernel format value, group), then per further part (codes, scales, offsets or 0, format value,
-    group, rows), zeros where absent; all zeros unless an int8-activation weight or a stack of them."""
-    descriptor = [0] * DOT_DESCRIPTOR_WIDTH
-    for i, part in enumerate(dot_parts(weight) or []):
-        codes, scales, offsets = part._pointers()  # what its own matmul hands kvq_dot_linear
+def _part_rows(parts: list[DotWeight | ExactWeight]) -> list[list[int]]:
+    """weight_parts' entries for a weight's parts (MAX_PARTS rows of PART_WIDTH): (kind, codes, scales,
+    offsets or 0, kernel format value, group, rows, 0) each, what its own matmul hands its kernel;
+    zeros after the last part."""
+    entries = [[0] * PART_WIDTH for _ in range(MAX_PARTS)]
+    for i, part in enumerate(parts):
+        codes, scales, offsets = part._pointers()
         assert scales is not None
-        entry = [scales, offsets or 0, part.kernel_fmt(), part.group_size]
-        if i == 0:
-            descriptor[:4] = entry
-        else:
-            start = 4 + (i - 1) * DOT_PART_WIDTH
-            descriptor[start : start + DOT_PART_WIDTH] = [codes, *entry, part.out_features]
-    return descriptor
+        kind = PART_DOT if isinstance(part, DotWeight) else PART_PACKED
+        entries[i] = [kind, codes, scales, offsets or 0, part.kernel_fmt(), part.group_size, part.out_features, 0]
+    return entries
 
 
 def table_layout(weight: Any) -> int | None:
     """A weight's layout code in the layer table: its block stride (column blocks, kvp_linear_b), 0
-    (row-major float32, kvp_linear_small), -(fmt + 1) (a packed 16-bit weight, kvq_linear), DOT_LAYOUT
-    (an int8-activation weight, kvq_dot_linear), None (anything else: the layers run one by one)."""
+    (row-major float32, kvp_linear_small), -(fmt + 1) (a packed 16-bit weight, kvq_linear), PARTS_LAYOUT
+    (a quantized weight: its parts in weight_parts), None (anything else: the layers run one by one)."""
     if isinstance(weight, HalfWeight):
         return -(weight.fmt + 1) if weight.device.type == "cpu" else None
-    parts = dot_parts(weight)
+    parts = weight_parts(weight)
     if parts is not None:
-        return DOT_LAYOUT if all(part.device.type == "cpu" for part in parts) else None
+        return PARTS_LAYOUT if all(part.device.type == "cpu" for part in parts) else None
     if isinstance(weight, torch.Tensor):
         return blocked_stride(weight)
     return None
 
 
 def has_quantized_weights(layers: Sequence[Any]) -> bool:
-    """Whether a layer holds a quantized weight the fused stack does not read (it reads float32, 16-bit
-    and int8-activation weights)."""
+    """Whether a layer holds a quantized weight the fused stack does not read (it reads float32, 16-bit,
+    int8-activation and exact int8 / int4 weights, and row stacks of the last two)."""
     return any(
-        not isinstance(w, torch.Tensor | HalfWeight) and dot_parts(w) is None
+        not isinstance(w, torch.Tensor | HalfWeight) and weight_parts(w) is None
         for layer in layers
         for w in (
             layer.self_attn.qkv_proj.weight,

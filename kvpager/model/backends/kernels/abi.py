@@ -21,22 +21,43 @@ KV = (torch.float32, torch.bfloat16, torch.float16)  # KV cache elements; "kv" b
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_TABLE_WIDTH = 16  # kLayerTableWidth in common.h
 LAYER_TABLE_ADDRESSES = 12  # addresses per layer; then the four weights' layouts (< 0: a packed 16-bit weight)
-DOT_LAYOUT = -1024  # a weight's layout code for kvq_dot_linear (int8 activations): kDotLayout in common.h
-# per weight in kvp_decode_layers' dot_weights: the first part's scales, offsets, format value and group,
-# then DOT_EXTRA_PARTS further row parts of DOT_PART_WIDTH (codes, scales, offsets, format value, group,
-# rows; zeros when absent): kDotDescriptorWidth, kDotExtraParts and kDotPartWidth in common.h
-DOT_EXTRA_PARTS = 2
-DOT_PART_WIDTH = 6
-DOT_DESCRIPTOR_WIDTH = 4 + DOT_EXTRA_PARTS * DOT_PART_WIDTH
+PARTS_LAYOUT = -1024  # a quantized weight's layout code: multiplied part by part (kPartsLayout in common.h)
+# kvp_decode_layers' weight_parts [L, 4, MAX_PARTS, PART_WIDTH]: per row part of a weight (kind, codes,
+# scales, offsets, format value, group, rows, 0); kinds PART_DOT (kvq_dot_linear) and PART_PACKED
+# (kvq_linear), 0 after the last part (kMaxParts, kPartWidth, kPartDot, kPartPacked in common.h)
+MAX_PARTS = 3
+PART_WIDTH = 8
+PART_DOT, PART_PACKED = 1, 2
 
 
-def _extra_part_rows_fit(t: Mapping[str, torch.Tensor], s: Mapping[str, int]) -> bool:
-    """Each weight's further row parts (dot_weights) hold non-negative row counts that leave its first
-    part at least one row of the weight's output width (q/k/v, o, gate/up, down)."""
+def _weight_widths(s: Mapping[str, int]) -> torch.Tensor:
+    """The output widths of a layer's four weights: q/k/v, o, gate/up, down."""
     qkv = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
-    widths = torch.tensor([qkv, s["H"], 2 * s["inter"], s["H"]], dtype=torch.int64)
-    rows = t["dot_weights"][:, :, 4 + DOT_PART_WIDTH - 1 :: DOT_PART_WIDTH]  # [L, 4, DOT_EXTRA_PARTS]
-    return bool((rows >= 0).all() and (rows.sum(-1) < widths).all())
+    return torch.tensor([qkv, s["H"], 2 * s["inter"], s["H"]], dtype=torch.int64)
+
+
+def _parts_fit(t: Mapping[str, torch.Tensor], s: Mapping[str, int]) -> bool:
+    """weight_parts describes the PARTS_LAYOUT weights only: each has a first part, parts of known kinds
+    with no gap before the last, positive row counts adding up to its output width; other weights none."""
+    parts = t["weight_parts"]
+    kinds, rows = parts[..., 0], parts[..., 6]  # [L, 4, MAX_PARTS]
+    present = kinds != 0
+    quantized = t["layers"][:, LAYER_TABLE_ADDRESSES:] == PARTS_LAYOUT  # [L, 4]
+    totals = (rows * present).sum(-1)
+    widths = _weight_widths(s).expand_as(totals)
+    return (
+        bool(((kinds == 0) | (kinds == PART_DOT) | (kinds == PART_PACKED)).all())
+        and bool((present[..., 1:] <= present[..., :-1]).all())
+        and bool((present[..., 0] == quantized).all())
+        and bool(((rows > 0) == present).all())
+        and bool((totals[quantized] == widths[quantized]).all())
+    )
+
+
+def _part_kinds(t: Mapping[str, torch.Tensor]) -> set[int]:
+    """The kinds of part the weight_parts table uses."""
+    kinds: list[int] = t["weight_parts"][..., 0].unique().tolist()
+    return set(kinds)
 
 
 def decode_layers_scratch(s: Mapping[str, int]) -> int:
@@ -319,7 +340,7 @@ SPECS: tuple[KernelSpec, ...] = (
             ("packed_level", Int()),
             ("dot_linear", Int()),  # kvq_dot_linear's address (an int8-activation weight in the table), else 0
             ("dot_level", Int()),
-            ("dot_weights", Tensor(I64, ("num_layers", 4, DOT_DESCRIPTOR_WIDTH))),  # per weight: see above
+            ("weight_parts", Tensor(I64, ("num_layers", 4, MAX_PARTS, PART_WIDTH))),  # per weight: see above
         ),
         checks=(
             _GQA,
@@ -333,16 +354,21 @@ SPECS: tuple[KernelSpec, ...] = (
         dtype_checks=(_kv_format_check("kv_cache"),),
         tensor_checks=(
             (
-                "a packed 16-bit weight in the layer table needs packed_linear (kvq_linear's address)",
-                lambda t, s: s["packed_linear"] != 0 or all(c >= 0 or c == DOT_LAYOUT for c in _layout_codes(t)),
+                "a packed 16-bit weight or exact quantized part in the layer table needs packed_linear (kvq_linear)",
+                lambda t, s: (
+                    s["packed_linear"] != 0
+                    or (
+                        all(c >= 0 or c == PARTS_LAYOUT for c in _layout_codes(t)) and PART_PACKED not in _part_kinds(t)
+                    )
+                ),
             ),
             (
-                "an int8-activation weight in the layer table needs dot_linear (kvq_dot_linear's address)",
-                lambda t, s: s["dot_linear"] != 0 or DOT_LAYOUT not in _layout_codes(t),
+                "an int8-activation part in the layer table needs dot_linear (kvq_dot_linear's address)",
+                lambda t, s: s["dot_linear"] != 0 or PART_DOT not in _part_kinds(t),
             ),
             (
-                "dot_weights' further row parts leave each weight's first part at least one row",
-                _extra_part_rows_fit,
+                "weight_parts gives each quantized weight row parts of known kinds adding up to its width",
+                _parts_fit,
             ),
         ),
     ),

@@ -34,15 +34,18 @@ namespace kvp {
 
 // Entries per layer in kvp_decode_layers' table (kvpager.model.ops builds it with the same width).
 constexpr int64_t kLayerTableWidth = 16;
-// The layer table's layout code of an int8 / int4 weight with int8 activations (kvq_dot_linear;
-// fused_stack.DOT_LAYOUT). Block strides are > 0, packed 16-bit weights -(fmt + 1) for fmt 0..3.
-constexpr int64_t kDotLayout = -1024;
-// Entries per weight in kvp_decode_layers' dot_weights (fused_stack.DOT_DESCRIPTOR_WIDTH): the first
-// part's scales, offsets, format value and group, then up to kDotExtraParts more row parts (a GGUF
-// projection whose parts differ in format) as (codes, scales, offsets, format value, group, rows).
-constexpr int64_t kDotDescriptorWidth = 16;
-constexpr int64_t kDotExtraParts = 2;
-constexpr int64_t kDotPartWidth = 6;
+// The layer table's layout code of a quantized weight multiplied part by part as kvp_decode_layers'
+// weight_parts describes (fused_stack.PARTS_LAYOUT). Block strides are > 0, packed 16-bit weights
+// -(fmt + 1) for fmt 0..3.
+constexpr int64_t kPartsLayout = -1024;
+// weight_parts [L, 4 weights, kMaxParts, kPartWidth] (fused_stack.MAX_PARTS / PART_WIDTH): per row part
+// of a weight, in row order, (kind, codes, scales, offsets, format value, group, rows, 0); kind
+// kPartDot: kvq_dot_linear (int8 activations), kPartPacked: kvq_linear (exact int8 / int4), 0: no
+// more parts. A GGUF projection whose parts differ in format (gguf_packed.RowStack) has several.
+constexpr int64_t kMaxParts = 3;
+constexpr int64_t kPartWidth = 8;
+constexpr int64_t kPartDot = 1;
+constexpr int64_t kPartPacked = 2;
 
 // KV cache elements: float32, bfloat16 held as its upper 16 bits (torch's layout and rounding), or
 // IEEE float16 (a distinct type so that every template below picks its own conversion).

@@ -256,12 +256,12 @@ void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int6
 // -(fmt + 1) for a packed 16-bit weight of the packed-weight library's format fmt (bfloat16 / float16
 // [N, K], quant.cpp): that multiply runs `packed_linear`, the library's kvq_linear, capped at
 // `packed_level`, the very kernel the per-op path calls for the weight, so both compute the same values;
-// kvp::kDotLayout for an int8 / int4 weight with int8 activations: that multiply runs `dot_linear`, the
-// library's kvq_dot_linear, capped at `dot_level`, with the weight's scales, offsets (0: none), format
-// value and group from `dot_weights` [num_layers, 4 weights, kDotDescriptorWidth] (likewise the per-op
-// path's kernel). A weight stacked from row parts of different formats (gguf_packed.RowStack) lists
-// its further parts there too: each part is multiplied by its own call, into its columns of the output,
-// as RowStack.matmul does.
+// kvp::kPartsLayout for a quantized weight: each of its row parts in `weight_parts` [num_layers, 4
+// weights, kMaxParts, kPartWidth] (common.h) is multiplied by the call its own matmul makes:
+// `dot_linear` (the library's kvq_dot_linear, capped at `dot_level`) for an int8 / int4 weight with int8
+// activations, `packed_linear` (kvq_linear, capped at `packed_level`) for an exact int8 / int4 one, with
+// the part's codes, scales, offsets (0: none), format value and group, into its columns of the output,
+// as gguf_packed.RowStack.matmul does for a weight of several parts.
 // On entry x [M, H] is the embedding output; on return x is the last layer's MLP
 // output and residual [M, H] the residual stream before it (the caller adds them in the final norm).
 // The KV cache is [L, 2, NB, block_size, kv_heads, head_dim]; scratch holds
@@ -273,7 +273,7 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
                        int64_t window, float scale, int64_t partition, float* scratch, int64_t kv_format,
                        int64_t packed_linear, int64_t packed_level, int64_t dot_linear, int64_t dot_level,
-                       const int64_t* dot_weights) {
+                       const int64_t* weight_parts) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   // K -> V of one layer, in bytes
   const int64_t half_stride = num_blocks * block_size * kv_size * kvp::kv_bytes(kv_format);
@@ -286,29 +286,31 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   auto f = [](int64_t address) { return reinterpret_cast<float*>(address); };
   const auto packed = reinterpret_cast<PackedLinear>(packed_linear);
   const auto dot = reinterpret_cast<DotLinear>(dot_linear);
-  // one row part of an int8-activation weight: rows [row0, row0 + rows) of the output's N columns
-  auto dot_part = [&](const float* in, int64_t K, int64_t w, const int64_t* part, int64_t N, int64_t row0,
-                      int64_t rows, int64_t bias, float* out) {
+  // one row part of a quantized weight: rows [row0, row0 + rows) of the output's N columns
+  // (part: kind, codes, scales, offsets, format value, group, rows)
+  auto linear_part = [&](const float* in, int64_t K, const int64_t* part, int64_t N, int64_t row0, int64_t bias,
+                         float* out) {
+    const int64_t rows = part[6];
     const float* b = bias != 0 ? f(bias) + row0 : nullptr;
     // one input row: the part's columns are contiguous in the output, so it writes them in place
     float* dst = rows == N || M == 1 ? out + row0 : part_out;
-    dot(part[2], in, M, K, reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(part[0]), f(part[1]), rows,
-        part[3], b, dst, omp_get_max_threads(), dot_level);
+    const auto* w = reinterpret_cast<const void*>(part[1]);
+    if (part[0] == kvp::kPartDot) {
+      dot(part[4], in, M, K, w, reinterpret_cast<const void*>(part[2]), f(part[3]), rows, part[5], b, dst,
+          omp_get_max_threads(), dot_level);
+    } else {
+      packed(part[4], in, M, K, w, f(part[2]), f(part[3]), rows, part[5], b, dst, omp_get_max_threads(), packed_level);
+    }
     if (dst == part_out)
       for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + row0, part_out + m * rows, rows * sizeof(float));
   };
-  // d: the weight's dot_weights row (see above)
+  // parts: the weight's weight_parts entries (see above)
   auto linear = [&](const float* in, int64_t K, int64_t w, int64_t bs, int64_t N, int64_t bias, float* out,
-                    const int64_t* d) {
-    if (bs == kvp::kDotLayout) {
-      int64_t first = N;
-      for (int64_t i = 0; i < kvp::kDotExtraParts; ++i) first -= d[4 + i * kvp::kDotPartWidth + 5];
-      dot_part(in, K, w, d, N, 0, first, bias, out);
-      for (int64_t i = 0, row0 = first; i < kvp::kDotExtraParts; ++i) {
-        const int64_t* part = d + 4 + i * kvp::kDotPartWidth;  // codes, scales, offsets, format, group, rows
-        if (part[5] == 0) continue;
-        dot_part(in, K, part[0], part + 1, N, row0, part[5], bias, out);
-        row0 += part[5];
+                    const int64_t* parts) {
+    if (bs == kvp::kPartsLayout) {
+      for (int64_t i = 0, row0 = 0; i < kvp::kMaxParts && parts[i * kvp::kPartWidth] != 0; ++i) {
+        linear_part(in, K, parts + i * kvp::kPartWidth, N, row0, bias, out);
+        row0 += parts[i * kvp::kPartWidth + 6];
       }
     } else if (bs < 0) {
       packed(-bs - 1, in, M, K, reinterpret_cast<const void*>(w), nullptr, nullptr, N, K, f(bias), out,
@@ -322,7 +324,8 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
   std::memcpy(residual, x, M * H * sizeof(float));
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kvp::kLayerTableWidth;
-    const int64_t* d = dot_weights + l * 4 * kvp::kDotDescriptorWidth;  // four weights' descriptors
+    const int64_t* d = weight_parts + l * 4 * kvp::kMaxParts * kvp::kPartWidth;  // four weights' parts
+    constexpr int64_t kWeight = kvp::kMaxParts * kvp::kPartWidth;
     char* k_cache = static_cast<char*>(kv_cache) + l * 2 * half_stride;
     if (l == 0) {
       kvp_rms_norm(residual, H, f(p[0]), h, H, M, H, eps);
@@ -335,11 +338,11 @@ void kvp_decode_layers(float* x, float* residual, int64_t M, int64_t H, int64_t 
     kvp_paged_decode(qkv, qkv_size, attn, q_size, nullptr, M, num_heads, num_kv_heads, head_dim, k_cache,
                      k_cache + half_stride, block_size, block_tables, max_blocks, seq_lens, window, scale, partition,
                      kv_format);
-    linear(attn, q_size, p[3], p[13], H, p[4], x, d + kvp::kDotDescriptorWidth);
+    linear(attn, q_size, p[3], p[13], H, p[4], x, d + kWeight);
     kvp_add_rms_norm(residual, x, f(p[5]), h, M, H, eps);
-    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up, d + 2 * kvp::kDotDescriptorWidth);
+    linear(h, H, p[6], p[14], 2 * inter, p[7], gate_up, d + 2 * kWeight);
     kvp_silu_mul(gate_up, act, M, inter);
-    linear(act, inter, p[8], p[15], H, p[9], x, d + 3 * kvp::kDotDescriptorWidth);
+    linear(act, inter, p[8], p[15], H, p[9], x, d + 3 * kWeight);
   }
 }
 

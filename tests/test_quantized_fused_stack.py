@@ -1,10 +1,11 @@
-"""Decode steps over int8-activation weights (w8a8_int8 / w4a8_int8) in the fused layer stack.
+"""Decode steps over quantized weights in the fused layer stack: int8-activation weights (w8a8_int8 /
+w4a8_int8, GGUF with --gguf-int8-activations) and exact int8 / int4 ones (int8 / int4, GGUF files).
 
-The fused stack calls kvq_dot_linear with the scales, offsets, format value and group each weight's own
-matmul passes, and the other kernels in the per-op path's order, so a decode step gives the per-op
-path's logits and KV bit for bit; steps the per-op path would send elsewhere (weights capped at
-different kernel paths) stay layer by layer. A projection stacked from row parts of different formats
-(gguf_packed.RowStack, as a Q4_K_M file's q/k/v) runs there too, one call per part.
+The fused stack calls kvq_dot_linear / kvq_linear with the codes, scales, offsets, format value and
+group each weight's own matmul passes, and the other kernels in the per-op path's order, so a decode
+step gives the per-op path's logits and KV bit for bit; steps the per-op path would send elsewhere
+(weights capped at different kernel paths) stay layer by layer. A projection stacked from row parts of
+different formats (gguf_packed.RowStack, as a Q4_K_M file's q/k/v) runs there too, one call per part.
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from kvpager.model.backends.fused_stack import FusedLayerStack, build_layer_tabl
 from kvpager.model.backends.kernels.binding import KernelArgumentError
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import LEVEL_PORTABLE, quant_kernels_or_none
-from kvpager.model.backends.quant_weights import Int4Weight, PackedWeight
-from kvpager.model.gguf_packed import RowStack
+from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight
+from kvpager.model.gguf_packed import AffineInt8Weight, RowStack
+
+GGUF = Path(__file__).parent / "data" / "gguf"
 
 
 def _load(path: Path, quantization: str, group: int | None) -> object:
     model = load_model(
         path, dtype=torch.float32, device="cpu", quantization=quantization, quantization_group_size=group
     )
-    if model.ops.name != "cpu" or not isinstance(model.layers[0].mlp.down_proj.weight, Int8DotWeight | Int4DotWeight):
+    if model.ops.name != "cpu" or quant_kernels_or_none() is None:
         pytest.skip("no C++ compiler here: no kernels, no fused layer stack")
     return model
 
@@ -42,9 +45,12 @@ def _steps(path: Path) -> list[list[tuple[str, list[int]]]]:
     return steps + [[(str(i), [extra[i][t]]) for i in range(3)] for t in range(2)] + [[("0", [extra[0][2]])]]
 
 
-@pytest.mark.parametrize(("quantization", "group"), [("w4a8_int8", 32), ("w4a8_int8", 64), ("w8a8_int8", None)])
+@pytest.mark.parametrize(
+    ("quantization", "group"),
+    [("w4a8_int8", 32), ("w4a8_int8", 64), ("w8a8_int8", None), ("int4", 32), ("int8", None), ("int8", 32)],
+)
 @pytest.mark.parametrize("case", ["llama", "qwen2"])
-def test_int8_activation_decode_steps_run_fused_and_equal_the_per_op_path(
+def test_quantized_decode_steps_run_fused_and_equal_the_per_op_path(
     llama_checkpoint: Path,
     qwen2_checkpoint: Path,
     case: str,
@@ -88,25 +94,29 @@ def test_the_layer_kernel_refuses_an_int8_activation_weight_without_the_dot_kern
         harness.step(steps[1])  # a decode step: the binding checks the table before the kernel runs
 
 
+# kinds of row part: "4" / "8" int4 / int8 with int8 activations (group 32), "i" / "j" exact int4 / int8
+# (group 32), "a" exact int8 with per-group offsets (GGUF Q5_K's form, which the layer kernel lacks)
+def _part(kind: str, rows: torch.Tensor) -> PackedWeight:
+    if kind == "4":
+        return Int4DotWeight.from_float(rows, 32)
+    if kind == "8":
+        return Int8DotWeight.from_float(rows, 32)
+    if kind == "i":
+        return Int4Weight.from_float(rows, 32)
+    if kind == "j":
+        return Int8Weight.from_float(rows, 32)
+    return AffineInt8Weight(Int8Weight.from_float(rows, 32), torch.zeros(rows.shape[0], rows.shape[1] // 32))
+
+
 def _row_stack(weight: PackedWeight, cuts: list[int], kinds: str) -> RowStack:
-    """The weight's values requantized as row parts [0, cuts[0]), [cuts[0], cuts[1]), ..., one per kind:
-    "4" int4 group 32 (int8 activations), "8" int8 group 32 (likewise), "e" exact int4 (not a dot weight)."""
-    dense, parts = weight.dequantize(), []
+    """The weight's values requantized as row parts [0, cuts[0]), [cuts[0], cuts[1]), ..., one per kind."""
+    dense = weight.dequantize()
     bounds = [0, *cuts, dense.shape[0]]
-    for kind, start, stop in zip(kinds, bounds[:-1], bounds[1:], strict=True):
-        rows = dense[start:stop]
-        if kind == "4":
-            parts.append(Int4DotWeight.from_float(rows, 32))
-        elif kind == "8":
-            parts.append(Int8DotWeight.from_float(rows, 32))
-        else:
-            parts.append(Int4Weight.from_float(rows, 32))
-    return RowStack(parts)
+    return RowStack([_part(k, dense[a:b]) for k, a, b in zip(kinds, bounds[:-1], bounds[1:], strict=True)])
 
 
 def _restack(model: object, qkv: tuple[list[int], str], gate_up: tuple[list[int], str] | None = None) -> None:
-    """Every layer's q/k/v (and gate/up) as a RowStack of the given cuts (in units of the q/k/v size's
-    parts: q, k, v; gate, up) and kinds."""
+    """Every layer's q/k/v (and gate/up) as a RowStack of the given row cuts and part kinds."""
     for layer in model.layers:  # type: ignore[attr-defined]
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj.weight = _row_stack(attn.qkv_proj.weight, *qkv)
@@ -120,32 +130,38 @@ def _qkv_cuts(model: object) -> tuple[int, int]:
     return q, q + kv
 
 
-@pytest.mark.parametrize("parts", ["qk4_v8", "q4_k8_v4_gate8_up4"])
+@pytest.mark.parametrize(
+    ("quantization", "parts"), [("w4a8_int8", "48"), ("w4a8_int8", "484"), ("int4", "ij"), ("int4", "iji")]
+)
 @pytest.mark.parametrize("case", ["llama", "qwen2"])
-def test_row_stacks_of_int8_activation_parts_run_fused_and_equal_the_per_op_path(
-    llama_checkpoint: Path, qwen2_checkpoint: Path, case: str, parts: str, monkeypatch: pytest.MonkeyPatch
+def test_row_stacks_of_quantized_parts_run_fused_and_equal_the_per_op_path(
+    llama_checkpoint: Path,
+    qwen2_checkpoint: Path,
+    case: str,
+    quantization: str,
+    parts: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = llama_checkpoint if case == "llama" else qwen2_checkpoint  # qwen2: the biases split per part
-    model = _load(path, "w4a8_int8", 32)
+    model = _load(path, quantization, 32)
     q, qk = _qkv_cuts(model)
-    if parts == "qk4_v8":  # a Q4_K_M file's q/k/v: 4-bit q and k, 6-bit (int8 here) v
-        _restack(model, ([qk], "48"))
-    else:  # three parts, and the MLP's gate/up split too
-        inter = model.spec.intermediate_size
-        _restack(model, ([q, qk], "484"), ([inter], "84"))
+    if len(parts) == 2:  # a Q4_K_M file's q/k/v: 4-bit q and k, 6-bit (int8 here) v
+        _restack(model, ([qk], parts))
+    else:  # three parts, and the MLP's gate/up split too (int8 gate, int4 up)
+        _restack(model, ([q, qk], parts), ([model.spec.intermediate_size], parts[1] + parts[0]))
     assert not has_quantized_weights(model.layers)
     taken = assert_fused_steps_equal_per_op(model, _steps(path), monkeypatch)
     assert taken == [False, True, True, True]  # prefill layer by layer; 3 rows (parts copied), 3, 1 fused
 
 
-@pytest.mark.parametrize("kinds", ["4e", "4848"])
+@pytest.mark.parametrize("kinds", ["ia", "4848"])
 def test_row_stacks_the_layer_kernel_cannot_read_run_layer_by_layer(
     llama_checkpoint: Path, kinds: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _load(llama_checkpoint, "w4a8_int8", 32)
+    model = _load(llama_checkpoint, "int4", 32)
     q, qk = _qkv_cuts(model)
-    # an exact-int4 part (no int8 activations), or four parts (more than the table holds)
-    _restack(model, ([qk], kinds) if kinds == "4e" else ([q // 2, q, qk], kinds))
+    # a part with per-group offsets (no kernel of the layer stack), or four parts (more than the table holds)
+    _restack(model, ([qk], kinds) if kinds == "ia" else ([q // 2, q, qk], kinds))
     assert has_quantized_weights(model.layers)
     assert build_layer_table(model.layers, model.spec.rms_norm_eps) is None
     fused_calls = _spy_fused_calls(model, monkeypatch)
@@ -155,8 +171,28 @@ def test_row_stacks_the_layer_kernel_cannot_read_run_layer_by_layer(
     assert fused_calls == [False, False]
 
 
-def test_the_layer_kernel_refuses_row_parts_wider_than_their_weight(
-    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", ["tiny-llama-Q8_0.gguf", "tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_gguf_decode_steps_run_fused_and_equal_the_per_op_path(
+    name: str, int8_activations: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(GGUF / name, dtype=torch.float32, device="cpu", gguf_int8_activations=int8_activations)
+    if model.ops.name != "cpu" or quant_kernels_or_none() is None:
+        pytest.skip("no C++ compiler here: no kernels, no fused layer stack")
+    stacks = [layer.self_attn.qkv_proj.weight for layer in model.layers]
+    assert any(isinstance(w, RowStack) for w in stacks) == (name == "tiny-llama-Q4_K_M.gguf")  # 6-bit attn_v
+    assert not has_quantized_weights(model.layers)
+    vocab = model.spec.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in (8, 5, 3)]
+    steps = [[(str(i), p) for i, p in enumerate(prompts)]]
+    steps += [[(str(i), [(11 * t + i + 2) % vocab]) for i in range(3)] for t in range(2)] + [[("0", [42 % vocab])]]
+    taken = assert_fused_steps_equal_per_op(model, steps, monkeypatch)
+    assert taken == [False, True, True, True]  # prefill layer by layer; 3 rows, 3 rows, 1 row fused
+
+
+@pytest.mark.parametrize(("part", "entry", "value"), [(1, 6, 10_000), (0, 0, 7), (1, 0, 0)])
+def test_the_layer_kernel_refuses_row_parts_that_do_not_describe_their_weight(
+    llama_checkpoint: Path, part: int, entry: int, value: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _load(llama_checkpoint, "w4a8_int8", 32)
     _restack(model, ([_qkv_cuts(model)[1]], "48"))
@@ -165,9 +201,22 @@ def test_the_layer_kernel_refuses_row_parts_wider_than_their_weight(
     harness.step(steps[0])
     built = build_layer_table(model.layers, model.spec.rms_norm_eps)
     assert built is not None
-    built.dot_weights[0, 0, 9] = 10_000  # the v part's rows: more than q/k/v's width
+    # too many rows for q/k/v's width, an unknown kind, the v part left out (its rows missing)
+    built.weight_parts[0, 0, part, entry] = value
     monkeypatch.setattr(FusedLayerStack, "_layer_table", lambda self, layers, eps: built)
     before = harness.kv_cache.clone()
-    with pytest.raises(KernelArgumentError, match="further row parts"):
+    with pytest.raises(KernelArgumentError, match="row parts of known kinds"):
         harness.step(steps[1])
     assert torch.equal(harness.kv_cache, before)  # refused before the kernel wrote anything
+
+
+def test_the_layer_kernel_refuses_an_exact_quantized_weight_without_the_packed_kernel(
+    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _load(llama_checkpoint, "int4", 32)
+    monkeypatch.setattr(FusedLayerStack, "_packed_linear", lambda self, built: (0, 0))
+    harness = PagedHarness(model, block_size=4)
+    steps = _steps(llama_checkpoint)
+    harness.step(steps[0])
+    with pytest.raises(KernelArgumentError, match="needs packed_linear"):
+        harness.step(steps[1])
