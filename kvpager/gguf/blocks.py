@@ -13,9 +13,10 @@ the block's bits (ggml-common.h; gguf-py's quants.py decodes the same layouts):
 The products d*sc and dmin*m are exact in float32 (an 11-bit mantissa times a 6- or 8-bit integer),
 so a decoder computing code * scale + offset in float32 gives gguf-py's floats bit for bit.
 
-Q4_K's factors also come as the file holds them (`BlockCodes.k_records`: per row and super-block of
-256, K_RECORD_BYTES bytes: f16 d, f16 dmin, the 8 sc, the 8 m, a byte each), for the kernels that
-expand them per call instead of holding the float32 products.
+Q4_K's and Q6_K's factors also come as the file holds them, for the kernels that expand them per
+call instead of holding the float32 products: per row and super-block of 256, `BlockCodes.k_records`
+(Q4_K, K_RECORD_BYTES bytes: f16 d, f16 dmin, the 8 sc, the 8 m, a byte each) and `q6_records` (Q6_K,
+Q6_RECORD_BYTES bytes: f16 d, the 16 int8 sc).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 QK_K = 256
 K_RECORD_BYTES = 20  # a Q4_K super-block's f16 d, f16 dmin, 8 six-bit scales, 8 six-bit mins
+Q6_RECORD_BYTES = 18  # a Q6_K super-block's f16 d and 16 int8 scales
 # ggml type -> (values per block, bytes per block)
 BLOCK_SIZES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
 
@@ -39,6 +41,7 @@ class BlockCodes:
     offsets: np.ndarray | None  # [N, K // group] float32; None: symmetric (w = code * scale)
     group: int
     k_records: np.ndarray | None = None  # Q4_K only: [N, K // 256, K_RECORD_BYTES] uint8, the file's factors
+    q6_records: np.ndarray | None = None  # Q6_K only: [N, K // 256, Q6_RECORD_BYTES] uint8, the file's factors
 
     def rows(self, order: np.ndarray) -> BlockCodes:
         """The same matrix with its rows in `order` (an index array)."""
@@ -48,6 +51,7 @@ class BlockCodes:
             None if self.offsets is None else self.offsets[order],
             self.group,
             None if self.k_records is None else self.k_records[order],
+            None if self.q6_records is None else self.q6_records[order],
         )
 
     def dequantize(self) -> np.ndarray:
@@ -79,6 +83,7 @@ def unpack_blocks(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> B
         None if offsets is None else offsets.reshape(rows, cols // group),
         group,
         _k_records(blocks).reshape(rows, cols // QK_K, K_RECORD_BYTES) if type_name == "Q4_K" else None,
+        _q6_records(blocks).reshape(rows, cols // QK_K, Q6_RECORD_BYTES) if type_name == "Q6_K" else None,
     )
 
 
@@ -113,6 +118,11 @@ def _k_records(blocks: np.ndarray) -> np.ndarray:
     """Q4_K's factors per block [n, K_RECORD_BYTES]: the f16 d and dmin bytes, the 8 sc, the 8 m."""
     sc, mn = _scale_min_k4(blocks[:, 4:16])
     return np.concatenate([blocks[:, 0:4], sc, mn], axis=1).astype(np.uint8)
+
+
+def _q6_records(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K's factors per block [n, Q6_RECORD_BYTES]: the f16 d bytes (the block's last two), the 16 sc."""
+    return np.concatenate([blocks[:, 208:210], blocks[:, 192:208]], axis=1).astype(np.uint8)
 
 
 def _k_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -18,10 +18,11 @@ are products (d * sub-block scale), held as float32, as are all offsets:
 | Q5_K      | int8 g32 + per-group offset    | 1 + 8/32 = 1.25       | 176/256 = 0.6875  |
 | Q6_K      | int8 g16                       | 1 + 4/16 = 1.25       | 210/256 = 0.8203  |
 
-With --gguf-int8-activations (the integer-dot kernels) Q4_K instead keeps the file's factors
-(`DOT_FORMS`): per super-block of 256, float16 d and dmin and the 8 six-bit scales and mins a byte
-each, 0.5 + 20/256 = 0.578 bytes a weight (the file's 0.5625 but for the 6-bit fields' padding); the
-kernel expands d * sc and -dmin * m of the rows it multiplies, the same float32 values.
+With --gguf-int8-activations (the integer-dot kernels) Q4_K and Q6_K instead keep the file's factors
+(`DOT_FORMS`), per super-block of 256: Q4_K float16 d and dmin and the 8 six-bit scales and mins a
+byte each, 0.5 + 20/256 = 0.578 bytes a weight (the file's 0.5625 but for the 6-bit fields' padding);
+Q6_K float16 d and the 16 int8 scales, 1 + 18/256 = 1.070. The kernel expands d * sc (and -dmin * m)
+of the rows it multiplies, the same float32 values.
 
 Q5_K's 5-bit and Q6_K's 6-bit codes sit in int8 because the kernels read 8- and 4-bit codes only.
 Every other tensor (the embedding, norms, biases; every tensor when not packed) is held as floats.
@@ -35,7 +36,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvpager.gguf.blocks import K_RECORD_BYTES, QK_K
+from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, QK_K
 from kvpager.gguf.reader import GGUFError, GGUFModel
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -81,14 +82,16 @@ class PackedForm:
     code_bits: int  # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN
     offsets: bool  # a float32 offset per group beside the scale
     half_scales: bool = False  # float16 scales (the file's); otherwise float32
-    k_records: bool = False  # Q4_K's super-block records instead of scales and offsets (K_RECORD_BYTES / 256)
+    # bytes of a super-block record (256 weights) held instead of scales and offsets: K_RECORD_BYTES (Q4_K),
+    # Q6_RECORD_BYTES (Q6_K), 0: none
+    record_bytes: int = 0
 
     def num_bytes(self, rows: int, cols: int) -> int:
         """Bytes the packed weight of a [rows, cols] tensor holds (codes, scales, offsets)."""
         groups = -(-cols // self.group)
         codes = cols if self.code_bits == 8 else -(-cols // INT4_SPAN) * (INT4_SPAN // 2)
-        if self.k_records:
-            return rows * (codes + -(-cols // QK_K) * K_RECORD_BYTES)
+        if self.record_bytes:
+            return rows * (codes + -(-cols // QK_K) * self.record_bytes)
         scale = HALF_SCALE_BYTES if self.half_scales else SCALE_BYTES
         return rows * (codes + groups * (scale + (SCALE_BYTES if self.offsets else 0)))
 
@@ -103,7 +106,10 @@ PACKED_FORMS = {
 
 
 # the integer-dot kernels' forms where they differ from PACKED_FORMS (--gguf-int8-activations)
-DOT_FORMS = {"Q4_K": PackedForm("int4 g32, the file's super-block scales", 32, 4, True, k_records=True)}
+DOT_FORMS = {
+    "Q4_K": PackedForm("int4 g32, the file's super-block scales", 32, 4, True, record_bytes=K_RECORD_BYTES),
+    "Q6_K": PackedForm("int8 g16, the file's super-block scales", 16, 8, False, record_bytes=Q6_RECORD_BYTES),
+}
 
 
 def checkpoint_name(gguf_name: str, model: GGUFModel) -> str:

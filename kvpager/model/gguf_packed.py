@@ -5,7 +5,8 @@ become the packed formats of kvpager.model.backends.quant_weights without requan
 matmul computes with exactly the values gguf-py's dequantizer gives:
 
 - Q8_0 -> Int8Weight group 32, the file's float16 scales; Q6_K -> Int8Weight group 16 (codes q - 32,
-  scale d*sc, float32).
+  scale d*sc, float32); with int8 activations Q6ScaledInt8DotWeight (the same codes, the file's d and
+  sc, expanded by the kernel).
 - Q4_0 -> Int4Weight group 32, symmetric (codes q, the file's float16 scale d; the offset -8d is not
   stored).
 - Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m); with int8 activations
@@ -29,7 +30,7 @@ import torch
 
 from kvpager.gguf.blocks import BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
-from kvpager.model.backends.k_scales import KScaledInt4DotWeight
+from kvpager.model.backends.k_scales import KScaledInt4DotWeight, Q6ScaledInt8DotWeight
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
 
@@ -51,6 +52,9 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
         scales = scales.to(torch.float16)
     if type_name == "Q4_K" and int8_activations and blocks.k_records is not None:
         return KScaledInt4DotWeight.from_k_codes(codes, torch.from_numpy(np.ascontiguousarray(blocks.k_records)))
+    if type_name == "Q6_K" and int8_activations and blocks.q6_records is not None:
+        records = torch.from_numpy(np.ascontiguousarray(blocks.q6_records))
+        return Q6ScaledInt8DotWeight(codes.to(torch.int8), records)
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
         int4 = Int4DotWeight if int8_activations else Int4Weight
@@ -156,6 +160,8 @@ def _merge(run: list[PackedWeight]) -> PackedWeight:
         return run[0]
     if isinstance(run[0], KScaledInt4DotWeight):
         return KScaledInt4DotWeight.cat([p for p in run if isinstance(p, KScaledInt4DotWeight)])
+    if isinstance(run[0], Q6ScaledInt8DotWeight):
+        return Q6ScaledInt8DotWeight.cat([p for p in run if isinstance(p, Q6ScaledInt8DotWeight)])
     if isinstance(run[0], AffineInt8Weight):
         affine = [p for p in run if isinstance(p, AffineInt8Weight)]
         inner = cat_rows([p.inner for p in affine])

@@ -1,4 +1,4 @@
-"""GGUF Q4_K weights on the integer-dot kernels holding the file's super-block factors.
+"""GGUF Q4_K and Q6_K weights on the integer-dot kernels holding the file's super-block factors.
 
 Q4_K's group scale d * sc and offset -dmin * m (kvpager.gguf.blocks) held as float32 cost 8 bytes per
 group of 32: 0.75 bytes a weight with the codes, a third more than the file's 0.5625, read on every
@@ -9,15 +9,24 @@ into float32 (the products are exact there, so they are the float32 form's value
 runs its tiles and panels unchanged. Everything else that needs the float32 scales (the exact path a
 CPU hands large batches to, the bfloat16 GEMM, dequantize) goes through `float_form()`, an
 Int4DotWeight sharing the codes with the factors expanded for that call.
+
+Q6_K likewise (Q6ScaledInt8DotWeight): its scale d * sc per group of 16 held as float32 costs 0.25
+bytes a weight beside the int8 codes; per row and super-block of 256 the file's float16 d and 16 int8
+sc (Q6_RECORD_BYTES = 18) cost 0.07 (kQ6Scales in the kernel).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpager.gguf.blocks import K_RECORD_BYTES, QK_K
-from kvpager.model.backends.quant_dot import Int4DotWeight, check_dynamic_group
-from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4
+from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, QK_K
+from kvpager.model.backends.quant_dot import (
+    Int4DotWeight,
+    Int8DotWeight,
+    _int8_rows_interleave_here,
+    check_dynamic_group,
+)
+from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_INT8, FMT_ROWS4
 from kvpager.model.backends.quant_weights import (
     PackedWeight,
     _interleavable,
@@ -29,6 +38,9 @@ from kvpager.model.backends.quant_weights import (
 K_SUPER = QK_K  # weights per super-block
 K_GROUPS = K_SUPER // 32  # groups of 32 per super-block
 FMT_K_SCALES = 1024  # or'ed into FMT_INT4: `scales` holds the records (kKScales in kernels/quant_dot.cpp)
+Q6_GROUP = 16  # weights per Q6_K scale
+Q6_GROUPS = QK_K // Q6_GROUP  # scales per super-block
+FMT_Q6_SCALES = 2048  # or'ed into FMT_INT8: `scales` holds Q6_K's records (kQ6Scales in kernels/quant_dot.cpp)
 
 
 def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,4 +135,85 @@ class KScaledInt4DotWeight(Int4DotWeight):
         return self.packed.data_ptr(), self.records.data_ptr(), None
 
 
-__all__ = ["FMT_K_SCALES", "KScaledInt4DotWeight", "expand_k_records"]
+def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
+    """records uint8 [N, S, Q6_RECORD_BYTES] -> scales float32 [N, S * Q6_GROUPS]: d * sc, the values
+    kvpager.gguf.blocks computes (exact in float32)."""
+    n, supers, _ = records.shape
+    d = records[..., :2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    sc = records[..., 2:].contiguous().view(torch.int8).float()
+    return (d * sc).reshape(n, supers * Q6_GROUPS)
+
+
+class Q6ScaledInt8DotWeight(Int8DotWeight):
+    """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales.
+
+    `qweight` [N, K] int8 in the plain layout (interleaved here as Int8DotWeight does), `records`
+    [N, K / 256, Q6_RECORD_BYTES] uint8; K a multiple of 256."""
+
+    def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
+        out_features, in_features = qweight.shape
+        if in_features % K_SUPER != 0:
+            raise ValueError(f"Q6ScaledInt8DotWeight: in_features must be a multiple of {K_SUPER}, got {in_features}")
+        expected = (out_features, in_features // K_SUPER, Q6_RECORD_BYTES)
+        if records.dtype != torch.uint8 or tuple(records.shape) != expected:
+            raise ValueError(f"Q6ScaledInt8DotWeight: records must be uint8 {expected}, got {tuple(records.shape)}")
+        if qweight.dtype != torch.int8:
+            raise ValueError(f"Q6ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
+        PackedWeight.__init__(self)
+        check_dynamic_group(self.method, Q6_GROUP, in_features)
+        if interleave is None:
+            interleave = self.INTERLEAVE and _int8_rows_interleave_here()
+        self.interleave = interleave
+        short = in_features <= self.INTERLEAVE_MAX_ROW_BYTES
+        self.interleaved = interleave and short and _interleavable(qweight)
+        self.qweight = interleave_rows(qweight) if self.interleaved else qweight.contiguous()
+        self.out_features, self.in_features, self.group_size = out_features, in_features, Q6_GROUP
+        self.records = records.contiguous()
+
+    @classmethod
+    def cat(cls, parts: list[Q6ScaledInt8DotWeight]) -> Q6ScaledInt8DotWeight:
+        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
+        records = torch.cat([p.records for p in parts])
+        if _parts_join_interleaved(parts):
+            joined = cls(torch.cat([p.qweight for p in parts]), records, interleave=False)
+            joined.interleave = joined.interleaved = True
+            return joined
+        return cls(torch.cat([p.plain_qweight() for p in parts]), records, parts[0].interleave)
+
+    def float_form(self) -> Int8DotWeight:
+        """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""
+        weight = Int8DotWeight(self.qweight, expand_q6_records(self.records), Q6_GROUP, interleave=False)
+        weight.interleave, weight.interleaved = self.interleave, self.interleaved
+        weight.max_level = self.max_level
+        return weight
+
+    def kernel_fmt(self) -> int:
+        return FMT_INT8 | FMT_Q6_SCALES | (FMT_ROWS4 if self.interleaved else 0)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.qweight, self.records)
+
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain_qweight(), self.records)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.float_form().dequantize(dtype)
+
+    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.float_form().exact_matmul(x, bias)
+
+    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.float_form().bf16_matmul(x2, bias)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.qweight.data_ptr(), self.records.data_ptr(), None
+
+
+__all__ = [
+    "FMT_K_SCALES",
+    "FMT_Q6_SCALES",
+    "KScaledInt4DotWeight",
+    "Q6ScaledInt8DotWeight",
+    "expand_k_records",
+    "expand_q6_records",
+]

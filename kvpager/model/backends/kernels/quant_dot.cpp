@@ -61,6 +61,7 @@ struct DotPacked {
   int64_t scale_row0;
   bool scale_prefetch;      // whether the tiles prefetch the next tile's scale rows (not in a KRows view)
   const uint8_t* k_records;  // fmt | kKScales: GGUF Q4_K's super-block records (scales, offsets null)
+  const uint8_t* q6_records;  // fmt | kQ6Scales: GGUF Q6_K's super-block records (scales null)
 };
 
 // quant.cpp's: a format value with this bit set says the scales are IEEE float16 (GGUF Q8_0 / Q4_0).
@@ -83,6 +84,14 @@ inline const float* offset_row(const DotPacked& p, int64_t n) { return p.offsets
 constexpr int64_t kKScales = 1024;
 constexpr int64_t kKGroups = 8;
 constexpr int64_t kKRecord = 20;
+
+// A format value with this bit set holds GGUF Q6_K's scales as the file does (int8, group 16, K a
+// multiple of 256): per row, one kQ6Record-byte record per super-block of kQ6Groups groups: float16 d,
+// then the kQ6Groups int8 scales sc. Group g's scale is d * sc[g], exact in float32 (the float32 form's
+// value, the same bits). 1.07 bytes a weight where the float32 form holds 1.25.
+constexpr int64_t kQ6Scales = 2048;
+constexpr int64_t kQ6Groups = 16;
+constexpr int64_t kQ6Record = 18;
 
 // quant.cpp's: a symmetric int4 group's offset per unit of its scale (codes 0..15 stand for -8..7).
 constexpr float kSymmetricOffset = -8.0f;
@@ -144,19 +153,23 @@ int64_t kvq_dot_panel_rows(int64_t max_level) {
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
 // fmt | kHalfScales: `scales` holds IEEE float16; fmt | kvq_int4::kRowsBit: rows interleaved (int4_rows.h;
 // int8: on the AVX2 or portable path, whatever max_level allows); fmt | kKScales: `scales` holds Q4_K's
-// super-block records (int4, group 32, K a multiple of 256, `offsets` null).
-// Returns 0, or -1 when the group size is neither a multiple of 32 nor K, or kKScales's conditions do
-// not hold (nothing is written then).
+// super-block records (int4, group 32, K a multiple of 256, `offsets` null); fmt | kQ6Scales: Q6_K's
+// (int8, group 16, K a multiple of 256, `offsets` null).
+// Returns 0, or -1 when the group size is neither a multiple of 32 nor K, or kKScales's or kQ6Scales's
+// conditions do not hold (nothing is written then).
 int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
                        const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                        int64_t num_threads, int64_t max_level) {
   constexpr int64_t B = kvqd_simd::kBlock;
   const bool half_scales = (fmt & kHalfScales) != 0, rows4 = (fmt & kvq_int4::kRowsBit) != 0;
-  const bool k_scales = (fmt & kKScales) != 0;
-  fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales);
+  const bool k_scales = (fmt & kKScales) != 0, q6_scales = (fmt & kQ6Scales) != 0;
+  fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales | kQ6Scales);
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
   if (k_scales && (fmt != kFmtInt4 || group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
+  if (q6_scales && (k_scales || fmt != kFmtInt8 || group != B / 2 || K % (B / 2 * kQ6Groups) != 0 || half_scales ||
+                    offsets))
+    return -1;
   if (M <= 0 || N <= 0) return 0;
   DotPacked p{};
   p.fmt = fmt;
@@ -170,12 +183,13 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   p.group_blocks = half ? 1 : group % B == 0 ? group / B : p.blocks;
   p.half_blocks = half;
   p.w = w;
-  p.scales = k_scales ? nullptr : scales;
+  p.scales = k_scales || q6_scales ? nullptr : scales;
   p.half_scales = half_scales;
   p.offsets = offsets;
   p.scale_row0 = 0;
-  p.scale_prefetch = !k_scales;
+  p.scale_prefetch = !k_scales && !q6_scales;
   p.k_records = k_scales ? static_cast<const uint8_t*>(scales) : nullptr;
+  p.q6_records = q6_scales ? static_cast<const uint8_t*>(scales) : nullptr;
   p.interleaved = kvq_int4::interleaved_rows(rows4, N, p.row_bytes);
   const bool int4 = fmt == kFmtInt4;
   // interleaved int8 rows have no VNNI instantiation (its block pairs read plain rows): the AVX2 build

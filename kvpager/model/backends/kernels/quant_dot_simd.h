@@ -110,6 +110,14 @@ struct Portable {
     const float d = scale(hd), nm = -scale(hm);
     for (int g = 0; g < 8; ++g) s[g] = d * static_cast<float>(rec[4 + g]), o[g] = nm * static_cast<float>(rec[12 + g]);
   }
+  // A GGUF Q6_K super-block record (quant_dot.cpp's kQ6Scales): float16 d, 16 int8 sc -> the 16 groups'
+  // scales d * sc, exact in float32.
+  static void expand_q6(const uint8_t* rec, float* s) {
+    uint16_t hd;
+    std::memcpy(&hd, rec, sizeof hd);
+    const float d = scale(hd);
+    for (int g = 0; g < 16; ++g) s[g] = d * static_cast<float>(static_cast<int8_t>(rec[2 + g]));
+  }
   // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
   // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
   template <class SC>
@@ -276,6 +284,15 @@ struct Avx2 {
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 12))));
     _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(hd)), sc));
     _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(hm)), m));
+  }
+  static void expand_q6(const uint8_t* rec, float* s) {  // Portable::expand_q6, 8 lanes at once
+    uint16_t hd;
+    std::memcpy(&hd, rec, sizeof hd);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(hd));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 2 + 8 * h));
+      _mm256_storeu_ps(s + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    }
   }
   static __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
   static __m256 load8(const uint16_t* s) {
