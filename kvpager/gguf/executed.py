@@ -28,7 +28,7 @@ Q5_K's 5-bit and Q6_K's 6-bit codes sit in int8 because the kernels read 8- and 
 Every other tensor (the embedding, norms, biases; every tensor when not packed) is held as floats.
 With --gguf-int8-activations a model whose lm_head is tied to the embedding also holds a packed copy
 of the embedding's blocks for the lm_head (`tied_lm_head_form`): the lookup keeps its float table, and
-each decode step reads the file's form (Q6_K: 1.25 bytes a weight) instead of the float table (2).
+each decode step reads the file's form (Q6_K: 1.07 bytes a weight) instead of the float table (2).
 """
 
 from __future__ import annotations
