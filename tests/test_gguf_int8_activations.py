@@ -82,6 +82,17 @@ def test_logits_stay_within_the_activation_rounding_bound(name: str, capsys: pyt
     assert agree >= 7 / 8
 
 
+def test_the_start_up_log_points_exact_runs_to_the_flag(caplog: pytest.LogCaptureFixture) -> None:
+    hint = "computed exactly; --gguf-int8-activations computes them as llama.cpp does"
+    with caplog.at_level("INFO", logger="kvpager"):
+        load_model(DATA / "tiny-llama-Q4_K_M.gguf", dtype=torch.float32, device="cpu")
+    assert f"Q4_K, Q6_K {hint}" in caplog.text  # the types the flag would change, named once
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvpager"):
+        load_model(DATA / "tiny-llama-Q4_K_M.gguf", dtype=torch.float32, device="cpu", gguf_int8_activations=True)
+    assert "GGUF weights" in caplog.text and hint not in caplog.text
+
+
 def test_fingerprint_differs_from_the_exact_model() -> None:
     path = str(DATA / "tiny-llama-Q4_K_M.gguf")
     common = {"model": path, "dtype": "float32", "block_size": 4, "kv_cache_memory": 1 << 22}

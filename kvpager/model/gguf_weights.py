@@ -88,6 +88,7 @@ class GGUFWeights:
             _check_type(tensor, model)
             self._tensors[name] = tensor
         self._counts: dict[tuple[str, str], int] = {}
+        self._exact_dot_types: set[str] = set()  # types the integer dot reads, packed exact here
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: t.shape for name, t in self._tensors.items()}
@@ -139,7 +140,14 @@ class GGUFWeights:
         return weight
 
     def report_lines(self) -> list[str]:
-        return [f"{kind}: {n} tensor(s) {how}" for (kind, how), n in sorted(self._counts.items())]
+        lines = [f"{kind}: {n} tensor(s) {how}" for (kind, how), n in sorted(self._counts.items())]
+        if self._exact_dot_types:  # what a llama.cpp user expects from these types, one flag away
+            types = ", ".join(sorted(self._exact_dot_types))
+            lines.append(
+                f"{types} computed exactly; --gguf-int8-activations computes them as llama.cpp does (activations "
+                "quantized to int8: faster, not exact; docs/precision.md)"
+            )
+        return lines
 
     def _packed(self, name: str) -> PackedWeight:
         tensor = self._tensors[name]
@@ -157,6 +165,8 @@ class GGUFWeights:
             how = f"executed as {form.name} x int8 activations per block of 32 (--gguf-int8-activations, not exact)"
         else:
             how = f"executed as {form.name} (exact, no requantization)"
+            if tensor.type_name in INT8_DOT_TYPES:
+                self._exact_dot_types.add(tensor.type_name)
         self._count(tensor.type_name, how)
         return weight
 
