@@ -54,7 +54,24 @@ def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scales.reshape(n, supers * K_GROUPS), offsets.reshape(n, supers * K_GROUPS)
 
 
-class KScaledInt4DotWeight(Int4DotWeight):
+class _FileScales:
+    """The paths other than the integer-dot kernel (the exact fallback a CPU hands large batches to, the
+    bfloat16 GEMM, dequantize) on `float_form()`: the weight with its records expanded for that call."""
+
+    def float_form(self) -> Int4DotWeight | Int8DotWeight:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.float_form().dequantize(dtype)
+
+    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.float_form().exact_matmul(x, bias)
+
+    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.float_form().bf16_matmul(x2, bias)
+
+
+class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
     """int4 codes (group 32, as Int4DotWeight) with Q4_K's super-block records for scales and offsets.
 
     `packed` [N, K / 2] in the plain layout (interleaved here as Int4DotWeight does), `records`
@@ -122,15 +139,6 @@ class KScaledInt4DotWeight(Int4DotWeight):
     def digest_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.plain_packed(), self.records)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.float_form().dequantize(dtype)
-
-    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.float_form().exact_matmul(x, bias)
-
-    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.float_form().bf16_matmul(x2, bias)
-
     def _pointers(self) -> tuple[int, int | None, int | None]:
         return self.packed.data_ptr(), self.records.data_ptr(), None
 
@@ -144,7 +152,7 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
-class Q6ScaledInt8DotWeight(Int8DotWeight):
+class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
     """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales.
 
     `qweight` [N, K] int8 in the plain layout (interleaved here as Int8DotWeight does), `records`
@@ -195,15 +203,6 @@ class Q6ScaledInt8DotWeight(Int8DotWeight):
 
     def digest_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.plain_qweight(), self.records)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.float_form().dequantize(dtype)
-
-    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.float_form().exact_matmul(x, bias)
-
-    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.float_form().bf16_matmul(x2, bias)
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
         return self.qweight.data_ptr(), self.records.data_ptr(), None
