@@ -30,32 +30,28 @@ PART_WIDTH = 8
 PART_DOT, PART_PACKED = 1, 2
 
 
-def _weight_widths(s: Mapping[str, int]) -> torch.Tensor:
-    """The output widths of a layer's four weights: q/k/v, o, gate/up, down."""
-    qkv = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
-    return torch.tensor([qkv, s["H"], 2 * s["inter"], s["H"]], dtype=torch.int64)
-
-
 def _parts_fit(t: Mapping[str, torch.Tensor], s: Mapping[str, int]) -> bool:
-    """weight_parts describes the PARTS_LAYOUT weights only: each has a first part, parts of known kinds
-    with no gap before the last, positive row counts adding up to its output width; other weights none."""
+    """weight_parts describes each PARTS_LAYOUT weight (the kernel reads no other weight's parts): a
+    first part, then parts of known kinds with no gap, positive row counts adding up to its output width
+    (q/k/v, o, gate/up, down)."""
+    quantized = t["layers"][:, LAYER_TABLE_ADDRESSES:] == PARTS_LAYOUT  # [L, 4]
+    if not bool(quantized.any()):
+        return True
     parts = t["weight_parts"]
     kinds, rows = parts[..., 0], parts[..., 6]  # [L, 4, MAX_PARTS]
     present = kinds != 0
-    quantized = t["layers"][:, LAYER_TABLE_ADDRESSES:] == PARTS_LAYOUT  # [L, 4]
-    totals = (rows * present).sum(-1)
-    widths = _weight_widths(s).expand_as(totals)
-    return (
-        bool(((kinds == 0) | (kinds == PART_DOT) | (kinds == PART_PACKED)).all())
-        and bool((present[..., 1:] <= present[..., :-1]).all())
-        and bool((present[..., 0] == quantized).all())
-        and bool(((rows > 0) == present).all())
-        and bool((totals[quantized] == widths[quantized]).all())
-    )
+    qkv = (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
+    widths = torch.tensor([qkv, s["H"], 2 * s["inter"], s["H"]])
+    bad = (kinds < 0) | (kinds > PART_PACKED) | ((rows > 0) != present)  # unknown kinds, rows of absent parts
+    bad[..., 1:] |= present[..., 1:] & ~present[..., :-1]  # a part after an absent one
+    fits = ~bad.any(-1) & present[..., 0] & ((rows * present).sum(-1) == widths)  # [L, 4]
+    return bool((fits | ~quantized).all())
 
 
 def _part_kinds(t: Mapping[str, torch.Tensor]) -> set[int]:
-    """The kinds of part the weight_parts table uses."""
+    """The kinds of part the PARTS_LAYOUT weights use (none when the table has no such weight)."""
+    if PARTS_LAYOUT not in _layout_codes(t):
+        return set()
     kinds: list[int] = t["weight_parts"][..., 0].unique().tolist()
     return set(kinds)
 
