@@ -233,7 +233,9 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_for_gguf_files(
     assert bool(executed) == (quantized and quantization is None and quant_kernels_or_none() is not None)
 
 
-@pytest.mark.parametrize("kind", ["tied-Q4_0", "tied-Q8_0", "tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf"])
+@pytest.mark.parametrize(
+    "kind", ["tied-Q4_0", "tied-Q8_0", "tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf", "tiny-llama-Q5_K_M.gguf"]
+)
 def test_with_int8_activations_a_tied_lm_head_copies_the_embedding_blocks_and_the_plan_counts_them(
     gguf_file: Callable[[str], Path],
     capsys: pytest.CaptureFixture[str],
@@ -254,8 +256,8 @@ def test_with_int8_activations_a_tied_lm_head_copies_the_embedding_blocks_and_th
     assert plan["engine_num_blocks"] == engine.pool.num_blocks
     copied = [m for m in caplog.messages if "copied for the tied lm_head" in m]
     head = engine.loaded.model.lm_head.weight
-    # Q4_K's linear weights hold the file's super-block records on the integer dot (DOT_FORMS), fewer
-    # bytes than the exact form's float32 scales and offsets
+    # Q4_K's and Q6_K's linear weights hold the file's super-block records on the integer dot
+    # (DOT_FORMS), fewer bytes than the exact form's float32 scales (and offsets)
     records = sum(
         DOT_FORMS[t.type_name].num_bytes(*t.shape) - PACKED_FORMS[t.type_name].num_bytes(*t.shape)
         for name, t in gguf.tensors.items()

@@ -67,7 +67,7 @@ class EngineConfig:
     # tied embedding keeps its table in `dtype`, the lm_head gets its own int8 copy); False: lm_head in `dtype`.
     # Without `quantization` (or for a GGUF file, whose lm_head keeps its own form) it has no effect.
     quantize_lm_head: bool = True
-    # GGUF only: the file's Q8_0 / Q4_0 / Q4_K / Q6_K blocks times activations quantized to int8 per block of 32
+    # GGUF only: the file's Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks times activations quantized to int8 per block of 32
     gguf_int8_activations: bool = False
     kv_cache_dtype: str = "auto"  # "auto": same as dtype
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"

@@ -194,7 +194,7 @@ def add_weight_format_args(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--gguf-int8-activations",
         action="store_true",
-        help="GGUF files: multiply the file's Q8_0 / Q4_0 / Q4_K / Q6_K blocks with activations quantized to int8 per "
+        help="GGUF files: multiply the file's Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks with activations quantized to int8 per "
         "block of 32 (llama.cpp's arithmetic: integer dot products, faster, not exact; docs/precision.md); "
         "other tensor types stay exact",
     )

@@ -130,8 +130,8 @@ def is_linear_weight(name: str) -> bool:
 
 
 # ggml types whose blocks the integer-dot kernels read (groups of 32; Q6_K's of 16, two per activation
-# block): --gguf-int8-activations
-INT8_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# block; Q5_K's int8 codes with per-group offsets): --gguf-int8-activations
+INT8_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def tied_lm_head_form(embedding_type: str, *, packed_kernels: bool, int8_activations: bool) -> PackedForm | None:

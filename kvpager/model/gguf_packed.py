@@ -12,8 +12,9 @@ matmul computes with exactly the values gguf-py's dequantizer gives:
 - Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m); with int8 activations
   KScaledInt4DotWeight (the same codes, the file's d, dmin, sc and m, expanded by the kernel).
 - Q5_K -> AffineInt8Weight group 32: Int8Weight over the 5-bit codes plus a per-group offset
-  (-dmin*m), which the int8 kernels do not have; the offset term is offset[n, g] * sum of x over
-  group g, one small matmul on the group sums.
+  (-dmin*m), which the exact int8 kernels do not have; the offset term is offset[n, g] * sum of x over
+  group g, one small matmul on the group sums. With int8 activations AffineInt8DotWeight: the
+  integer-dot kernel adds the offset term itself, as for int4's asymmetric groups.
 
 Which tensors run packed, and the bytes each form holds, is kvpager.gguf.executed's (torch-free, so
 the planner counts the same bytes). A fused projection (q/k/v, gate/up) whose parts are of different
@@ -27,6 +28,7 @@ import hashlib
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvpager.gguf.blocks import BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
@@ -34,7 +36,7 @@ from kvpager.model.backends.k_scales import KScaledInt4DotWeight, Q6ScaledInt8Do
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
 
-__all__ = ["INT8_DOT_TYPES", "AffineInt8Weight", "packed_from_blocks"]
+__all__ = ["INT8_DOT_TYPES", "AffineInt8DotWeight", "AffineInt8Weight", "packed_from_blocks"]
 
 
 def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: bool = False) -> PackedWeight:
@@ -61,6 +63,9 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
         # Q4_0's offsets are -8 * d by construction (kvpager.gguf.blocks): the symmetric form holds none
         offsets = None if type_name == "Q4_0" else torch.from_numpy(np.ascontiguousarray(blocks.offsets))
         return int4.from_codes(codes, scales, offsets, blocks.group)
+    if int8_activations and blocks.offsets is not None:
+        offsets = torch.from_numpy(np.ascontiguousarray(blocks.offsets))
+        return AffineInt8DotWeight(codes.to(torch.int8), scales, offsets, blocks.group)
     int8 = Int8DotWeight if int8_activations else Int8Weight
     inner = int8(codes.to(torch.int8), scales, blocks.group)
     if blocks.offsets is None:
@@ -101,6 +106,63 @@ class AffineInt8Weight(PackedWeight):
         sums = x.reshape(-1, self.in_features // self.group_size, self.group_size).float().sum(-1)
         out += sums @ self.offsets.to(sums.device).T
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class AffineInt8DotWeight(Int8DotWeight):
+    """w = q * scale + offset per group (GGUF Q5_K) times int8 activations: Int8DotWeight plus float32
+    offsets [N, K / group], which the integer-dot kernel applies (offset times the group's activation
+    sum). Groups of whole activation blocks (32)."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor,
+        group_size: int,
+        interleave: bool | None = None,
+    ) -> None:
+        if group_size % 32 != 0:
+            raise ValueError(f"AffineInt8DotWeight: groups must be multiples of 32, got {group_size}")
+        super().__init__(qweight, scales, group_size, interleave)
+        if tuple(offsets.shape) != tuple(self.scales.shape):
+            raise ValueError(
+                f"AffineInt8DotWeight: offsets {tuple(offsets.shape)} must match scales {tuple(self.scales.shape)}"
+            )
+        self.offsets = offsets.float().contiguous()
+
+    @classmethod
+    def cat(cls, parts: list[AffineInt8DotWeight]) -> AffineInt8DotWeight:
+        """Row-wise concatenation (fused q/k/v, gate/up)."""
+        qweight = torch.cat([p.plain_qweight() for p in parts])
+        scales, offsets = torch.cat([p.scales.float() for p in parts]), torch.cat([p.offsets for p in parts])
+        return cls(qweight, scales, offsets, parts[0].group_size, parts[0].interleave)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().tensors(), self.offsets)
+
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().digest_tensors(), self.offsets)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        offsets = self.offsets.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
+        return (super().dequantize() + offsets).to(dtype)
+
+    def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The codes times scales through the exact int8 path, plus the offsets on x's group sums (as
+        AffineInt8Weight)."""
+        out = super().exact_matmul(x.float(), bias).reshape(-1, self.out_features)
+        sums = x.reshape(-1, self.in_features // self.group_size, self.group_size).float().sum(-1)
+        out += sums @ self.offsets.to(sums.device).T
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The bfloat16 reference itself (x2 and the dequantized weight, offsets included, in bfloat16):
+        the offsets have no place in the codes' bf16 dequantizer."""
+        out = F.linear(x2.to(torch.bfloat16), self.dequantize(torch.bfloat16)).float()
+        return out + bias.float() if bias is not None else out
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.qweight.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr()
 
 
 class RowStack(PackedWeight):
@@ -160,6 +222,8 @@ def _merge(run: list[PackedWeight]) -> PackedWeight:
         return run[0]
     if isinstance(run[0], KScaledInt4DotWeight):
         return KScaledInt4DotWeight.cat([p for p in run if isinstance(p, KScaledInt4DotWeight)])
+    if isinstance(run[0], AffineInt8DotWeight):
+        return AffineInt8DotWeight.cat([p for p in run if isinstance(p, AffineInt8DotWeight)])
     if isinstance(run[0], Q6ScaledInt8DotWeight):
         return Q6ScaledInt8DotWeight.cat([p for p in run if isinstance(p, Q6ScaledInt8DotWeight)])
     if isinstance(run[0], AffineInt8Weight):

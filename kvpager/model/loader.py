@@ -97,7 +97,7 @@ def load_model(
     the already opened `gguf_model`). Its quantized linear weights run in their packed form on a CPU with
     the packed-weight kernels (kvpager.model.gguf_packed), unless `gguf_dequantize`, `quantization`
     (which requantizes) or `parallel` (shards are sliced from floats); other tensors are dequantized to
-    `dtype`. Logged per ggml type. `gguf_int8_activations`: the packed Q8_0 / Q4_0 / Q4_K / Q6_K weights
+    `dtype`. Logged per ggml type. `gguf_int8_activations`: the packed Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights
     multiply activations quantized to int8 per block of 32 (kvpager.model.backends.quant_dot).
 
     parallel: tensor parallelism; this rank loads only its shard (kvpager/model/tp_shards.py), sliced

@@ -55,7 +55,9 @@ struct DotPacked {
   const void* w;
   const void* scales;    // float32, or IEEE float16 when half_scales (the kernels' SC: float / uint16_t)
   bool half_scales;
-  const float* offsets;  // int4: null for symmetric groups (offset = kSymmetricOffset * scale)
+  // int4: null for symmetric groups (offset = kSymmetricOffset * scale); int8: null, or per-group offsets
+  // (GGUF Q5_K: w = q * scale + offset, groups of whole activation blocks)
+  const float* offsets;
   int64_t interleaved;   // the leading rows stored four at a time (int4_rows.h); 0: plain
   // scales and offsets hold rows scale_row0 .. only (a KRows view); row n's are at n - scale_row0
   int64_t scale_row0;
@@ -155,8 +157,10 @@ int64_t kvq_dot_panel_rows(int64_t max_level) {
 // int8: on the AVX2 or portable path, whatever max_level allows); fmt | kKScales: `scales` holds Q4_K's
 // super-block records (int4, group 32, K a multiple of 256, `offsets` null); fmt | kQ6Scales: Q6_K's
 // (int8, group 16, K a multiple of 256, `offsets` null).
-// Returns 0, or -1 when the group size is neither a multiple of 32 nor K, or kKScales's or kQ6Scales's
-// conditions do not hold (nothing is written then).
+// int8 takes `offsets` too (float32 [N, groups], groups a multiple of 32): y gains offset[n, g] times the
+// group's sum of the quantized activations, as int4's asymmetric groups do.
+// Returns 0, or -1 when the group size is neither a multiple of 32 nor K, int8 offsets come with other
+// groups, or kKScales's or kQ6Scales's conditions do not hold (nothing is written then).
 int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const void* w, const void* scales,
                        const float* offsets, int64_t N, int64_t group, const float* bias, float* y,
                        int64_t num_threads, int64_t max_level) {
@@ -167,6 +171,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
   if (k_scales && (fmt != kFmtInt4 || group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
+  if (fmt == kFmtInt8 && offsets && (half || group % B != 0)) return -1;  // offsets: whole activation blocks
   if (q6_scales && (k_scales || fmt != kFmtInt8 || group != B / 2 || K % (B / 2 * kQ6Groups) != 0 || half_scales ||
                     offsets))
     return -1;
@@ -204,7 +209,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   else
 #endif
     portable::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
-  if (int4) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
+  if (int4 || offsets) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
     xs.assign(static_cast<size_t>(M * p.num_groups), 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < p.blocks; ++b) {
