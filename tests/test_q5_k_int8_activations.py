@@ -82,6 +82,8 @@ def test_fused_parts_join_with_their_offsets() -> None:
     q, k = q5_k(32, 512, seed=7), q5_k(16, 512, seed=8)
     fused = stack_rows([q, k])
     assert isinstance(fused, AffineInt8DotWeight) and fused.out_features == 48
+    assert fused.interleaved == q.interleaved  # interleaved parts join as they are stored
+    assert torch.equal(fused.plain_qweight(), torch.cat([q.plain_qweight(), k.plain_qweight()]))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
     assert torch.equal(fused.dot_kernel(x), torch.cat([q.dot_kernel(x), k.dot_kernel(x)], dim=-1))
 

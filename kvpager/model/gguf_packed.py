@@ -34,7 +34,13 @@ from kvpager.gguf.blocks import BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
 from kvpager.model.backends.k_scales import KScaledInt4DotWeight, Q6ScaledInt8DotWeight
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
-from kvpager.model.backends.quant_weights import Int4Weight, Int8Weight, PackedWeight, cat_rows
+from kvpager.model.backends.quant_weights import (
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    _parts_join_interleaved,
+    cat_rows,
+)
 
 __all__ = ["INT8_DOT_TYPES", "AffineInt8DotWeight", "AffineInt8Weight", "packed_from_blocks"]
 
@@ -132,9 +138,14 @@ class AffineInt8DotWeight(Int8DotWeight):
 
     @classmethod
     def cat(cls, parts: list[AffineInt8DotWeight]) -> AffineInt8DotWeight:
-        """Row-wise concatenation (fused q/k/v, gate/up)."""
-        qweight = torch.cat([p.plain_qweight() for p in parts])
+        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they
+        join (no plain copies while loading)."""
         scales, offsets = torch.cat([p.scales.float() for p in parts]), torch.cat([p.offsets for p in parts])
+        if _parts_join_interleaved(parts):
+            joined = cls(torch.cat([p.qweight for p in parts]), scales, offsets, parts[0].group_size, interleave=False)
+            joined.interleave = joined.interleaved = True
+            return joined
+        qweight = torch.cat([p.plain_qweight() for p in parts])
         return cls(qweight, scales, offsets, parts[0].group_size, parts[0].interleave)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
