@@ -38,8 +38,8 @@ from kvpager.model.backends.quant_weights import (
     Int4Weight,
     Int8Weight,
     PackedWeight,
-    _parts_join_interleaved,
     cat_rows,
+    join_rows,
 )
 
 __all__ = ["INT8_DOT_TYPES", "AffineInt8DotWeight", "AffineInt8Weight", "packed_from_blocks"]
@@ -141,12 +141,8 @@ class AffineInt8DotWeight(Int8DotWeight):
         """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they
         join (no plain copies while loading)."""
         scales, offsets = torch.cat([p.scales.float() for p in parts]), torch.cat([p.offsets for p in parts])
-        if _parts_join_interleaved(parts):
-            joined = cls(torch.cat([p.qweight for p in parts]), scales, offsets, parts[0].group_size, interleave=False)
-            joined.interleave = joined.interleaved = True
-            return joined
-        qweight = torch.cat([p.plain_qweight() for p in parts])
-        return cls(qweight, scales, offsets, parts[0].group_size, parts[0].interleave)
+        group = parts[0].group_size
+        return join_rows(parts, lambda qweight, interleave: cls(qweight, scales, offsets, group, interleave))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (*super().tensors(), self.offsets)

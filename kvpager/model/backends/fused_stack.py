@@ -10,7 +10,8 @@ multiplies call its kvq_dot_linear, and exact int8 / int4 weights (Int8Weight / 
 `--quantization int8|int4`, GGUF files without --gguf-int8-activations), whose multiplies of these few
 rows call kvq_linear: in each case the kernel their per-op matmul calls. A GGUF projection whose row
 parts differ in format (gguf_packed.RowStack: a Q4_K_M file's q/k at 4 bits, v at 6) runs there too,
-one call per part into its columns. Other weights (GGUF Q5_K's int8 with offsets) run layer by layer.
+one call per part into its columns. Other weights (exact GGUF Q5_K: int8 codes with a Python offset
+term) run layer by layer.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from kvpager.model.backends.quant_weights import (
     PackedWeight,
     _interleavable,
     _pack_int4,
-    _parts_join_interleaved,
     interleave_rows,
+    join_rows,
 )
 
 K_SUPER = QK_K  # weights per super-block
@@ -52,6 +52,16 @@ def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scales = halves[..., :1] * sc
     offsets = -(halves[..., 1:] * mins)
     return scales.reshape(n, supers * K_GROUPS), offsets.reshape(n, supers * K_GROUPS)
+
+
+def _check_records(owner: str, records: torch.Tensor, rows: int, in_features: int, record_bytes: int) -> None:
+    """ValueError unless in_features is a multiple of K_SUPER and records is uint8 [rows, in_features /
+    K_SUPER, record_bytes]."""
+    if in_features % K_SUPER != 0:
+        raise ValueError(f"{owner}: in_features must be a multiple of {K_SUPER}, got {in_features}")
+    expected = (rows, in_features // K_SUPER, record_bytes)
+    if records.dtype != torch.uint8 or tuple(records.shape) != expected:
+        raise ValueError(f"{owner}: records must be uint8 {expected}, got {tuple(records.shape)}")
 
 
 class _FileScales:
@@ -82,13 +92,9 @@ class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
     ) -> None:
         PackedWeight.__init__(self)
         out_features = packed.shape[0]
-        if in_features % K_SUPER != 0:
-            raise ValueError(f"KScaledInt4DotWeight: in_features must be a multiple of {K_SUPER}, got {in_features}")
+        _check_records("KScaledInt4DotWeight", records, out_features, in_features, K_RECORD_BYTES)
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2):
             raise ValueError(f"KScaledInt4DotWeight: packed must be uint8 [N, K / 2], got {tuple(packed.shape)}")
-        expected = (out_features, in_features // K_SUPER, K_RECORD_BYTES)
-        if records.dtype != torch.uint8 or tuple(records.shape) != expected:
-            raise ValueError(f"KScaledInt4DotWeight: records must be uint8 {expected}, got {tuple(records.shape)}")
         check_dynamic_group(self.method, 32, in_features)
         self.interleave = self.INTERLEAVE if interleave is None else interleave
         self.interleaved = self.interleave and _interleavable(packed)
@@ -108,12 +114,8 @@ class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
     @classmethod
     def cat(cls, parts: list[KScaledInt4DotWeight]) -> KScaledInt4DotWeight:
         """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
-        first, records = parts[0], torch.cat([p.records for p in parts])
-        if _parts_join_interleaved(parts):
-            joined = cls(torch.cat([p.packed for p in parts]), records, first.in_features, interleave=False)
-            joined.interleave = joined.interleaved = True
-            return joined
-        return cls(torch.cat([p.plain_packed() for p in parts]), records, first.in_features, first.interleave)
+        records, k = torch.cat([p.records for p in parts]), parts[0].in_features
+        return join_rows(parts, lambda packed, interleave: cls(packed, records, k, interleave))
 
     def float_form(self) -> Int4DotWeight:
         """The same weight as Int4DotWeight (float32 scales and offsets, expanded now; the codes shared)."""
@@ -160,11 +162,7 @@ class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
 
     def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
         out_features, in_features = qweight.shape
-        if in_features % K_SUPER != 0:
-            raise ValueError(f"Q6ScaledInt8DotWeight: in_features must be a multiple of {K_SUPER}, got {in_features}")
-        expected = (out_features, in_features // K_SUPER, Q6_RECORD_BYTES)
-        if records.dtype != torch.uint8 or tuple(records.shape) != expected:
-            raise ValueError(f"Q6ScaledInt8DotWeight: records must be uint8 {expected}, got {tuple(records.shape)}")
+        _check_records("Q6ScaledInt8DotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
         if qweight.dtype != torch.int8:
             raise ValueError(f"Q6ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
         PackedWeight.__init__(self)
@@ -182,11 +180,7 @@ class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
     def cat(cls, parts: list[Q6ScaledInt8DotWeight]) -> Q6ScaledInt8DotWeight:
         """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
         records = torch.cat([p.records for p in parts])
-        if _parts_join_interleaved(parts):
-            joined = cls(torch.cat([p.qweight for p in parts]), records, interleave=False)
-            joined.interleave = joined.interleaved = True
-            return joined
-        return cls(torch.cat([p.plain_qweight() for p in parts]), records, parts[0].interleave)
+        return join_rows(parts, lambda qweight, interleave: cls(qweight, records, interleave))
 
     def float_form(self) -> Int8DotWeight:
         """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""

@@ -32,8 +32,8 @@ not fast. `dequantize()` is the torch reference the tests hold the kernels to.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -457,25 +457,39 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     if isinstance(first, Int8Weight):  # NOTE: type(first): a subclass (quant_dot.py's) stays itself
         i8 = [p for p in parts if isinstance(p, Int8Weight)]
         scales8, group8 = _cat_scales(i8), first.group_size
-        if _parts_join_interleaved(i8):
-            joined8 = type(first)(torch.cat([p.qweight for p in i8]), scales8, group8, interleave=False)
-            joined8.interleave = joined8.interleaved = True
-            return joined8
-        return type(first)(torch.cat([p.plain_qweight() for p in i8]), scales8, group8, first.interleave)
+        return join_rows(i8, lambda codes, interleave: type(first)(codes, scales8, group8, interleave))
     if isinstance(first, Int4Weight):
         i4 = [p for p in parts if isinstance(p, Int4Weight)]
         # symmetric parts stay offset-free together; beside asymmetric ones they get their -8 * scale
         offsets = None if all(p.symmetric for p in i4) else torch.cat([p.group_offsets() for p in i4])
         scales, group, k = _cat_scales(i4), first.group_size, first.in_features
-        if _parts_join_interleaved(i4):
-            joined = type(first)(torch.cat([p.packed for p in i4]), scales, offsets, group, k, interleave=False)
-            joined.interleave = joined.interleaved = True
-            return joined
-        return type(first)(torch.cat([p.plain_packed() for p in i4]), scales, offsets, group, k, first.interleave)
+        return join_rows(i4, lambda codes, interleave: type(first)(codes, scales, offsets, group, k, interleave))
     raise TypeError(f"cannot concatenate {type(first).__name__}")
 
 
-def _parts_join_interleaved(parts: Sequence[Int8Weight] | Sequence[Int4Weight]) -> bool:
+RowsWeight = TypeVar("RowsWeight", bound="Int8Weight | Int4Weight")
+
+
+def join_rows(parts: Sequence[RowsWeight], build: Callable[[torch.Tensor, bool], RowsWeight]) -> RowsWeight:
+    """The parts' rows as one weight, `build(codes, interleave)` given the joined codes: the stored codes
+    as they are where the parts join interleaved (no plain copies while loading; the result is marked
+    interleaved), else the plain codes, interleaved as the first part asks."""
+    if _parts_join_interleaved(parts):
+        joined = build(torch.cat([_stored_codes(p) for p in parts]), False)
+        joined.interleave = joined.interleaved = True
+        return joined
+    return build(torch.cat([_plain_codes(p) for p in parts]), parts[0].interleave)
+
+
+def _stored_codes(weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    return weight.qweight if isinstance(weight, Int8Weight) else weight.packed
+
+
+def _plain_codes(weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    return weight.plain_qweight() if isinstance(weight, Int8Weight) else weight.plain_packed()
+
+
+def _parts_join_interleaved(parts: Sequence[Int8Weight | Int4Weight]) -> bool:
     """Whether the stored parts, joined, are the joined rows interleaved: every part interleaved (the
     first asking for it) and every part's groups of four starting at a multiple of four in the joined
     rows, so loading makes no plain copies."""
