@@ -1,11 +1,12 @@
 """GGUF Q4_K on the integer-dot kernels with the file's super-block factors (kvpager/model/backends/k_scales.py).
 
 KScaledInt4DotWeight holds, per row and super-block of 256, the file's float16 d and dmin and the 8
-six-bit scales and mins; the kernel expands d * sc and -(dmin * m) for the rows it multiplies. Those
-products are exact in float32, so the weight must give the float32 form's results (Int4DotWeight with
-the block decoder's scales and offsets) bit for bit on every path: the one-row tiles, the 8-row
-panels, the AVX2 and portable builds, the exact fallback and the bfloat16 GEMM; and hold 0.578 bytes
-a weight where the float32 form holds 0.75.
+six-bit scales and mins; the kernel widens d * sc and -(dmin * m) for the rows it multiplies (the
+decode tiles super-block by super-block in registers, the panels through a buffer). Those products are
+exact in float32, so the weight must give the float32 form's results (Int4DotWeight with the block
+decoder's scales and offsets) bit for bit on every path: the decode tiles (one row, row pairs), the
+8-row panels, the AVX2 and portable builds, the exact fallback and the bfloat16 GEMM; and hold 0.578
+bytes a weight where the float32 form holds 0.75.
 """
 
 from __future__ import annotations

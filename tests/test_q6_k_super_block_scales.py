@@ -1,7 +1,7 @@
 """GGUF Q6_K on the integer-dot kernels with the file's super-block factors (kvpager/model/backends/k_scales.py).
 
 Q6ScaledInt8DotWeight holds, per row and super-block of 256, the file's float16 d and 16 int8 scales;
-the kernel expands d * sc for the rows it multiplies. Those products are exact in float32, so the
+the kernel's decode tiles widen d * sc super-block by super-block as they multiply a row. Those products are exact in float32, so the
 weight must give the float32 form's results (Int8DotWeight group 16 with the block decoder's scales) bit
 for bit on every path: the decode tiles (interleaved and plain rows), the AVX2 and portable builds, the
 exact fallback and the bfloat16 GEMM; and hold 1.07 bytes a weight where the float32 form holds 1.25.

@@ -4,9 +4,9 @@ Q4_K's group scale d * sc and offset -dmin * m (kvpager.gguf.blocks) held as flo
 group of 32: 0.75 bytes a weight with the codes, a third more than the file's 0.5625, read on every
 decode step. KScaledInt4DotWeight holds instead, per row and super-block of 256, the file's float16
 d and dmin and the 8 six-bit scales and mins a byte each (K_RECORD_BYTES = 20): 0.578 bytes a weight.
-The integer-dot kernel (kernels/quant_dot.cpp, kKScales) expands the records of the rows it multiplies
-into float32 (the products are exact there, so they are the float32 form's values bit for bit) and
-runs its tiles and panels unchanged. Everything else that needs the float32 scales (the exact path a
+The integer-dot kernel (kernels/quant_dot.cpp, kKScales) widens the records of the rows it multiplies
+to float32 (the products are exact there, so they are the float32 form's values bit for bit): its
+decode tiles super-block by super-block in registers, its prompt panels through a buffer. Everything else that needs the float32 scales (the exact path a
 CPU hands large batches to, the bfloat16 GEMM, dequantize) goes through `float_form()`, an
 Int4DotWeight sharing the codes with the factors expanded for that call.
 

@@ -118,6 +118,25 @@ struct Portable {
     const float d = scale(hd);
     for (int g = 0; g < 16; ++g) s[g] = d * static_cast<float>(static_cast<int8_t>(rec[2 + g]));
   }
+  // A Q4_K super-block record's 8 scales and 8 offsets as lanes, expand_k's values (the decode tiles
+  // widen them in registers).
+  static V k_scales8(const uint8_t* rec) {
+    V s, o;
+    expand_k(rec, s.v, o.v);
+    return s;
+  }
+  static V k_offsets8(const uint8_t* rec) {
+    V s, o;
+    expand_k(rec, s.v, o.v);
+    return o;
+  }
+  // Lanes 0..3 = s[2i], 4..7 = s[2i + 1]: spread2 of two neighbouring lanes.
+  template <int I>
+  static V pair_of(V s) {
+    V r;
+    for (int l = 0; l < 8; ++l) r.v[l] = s.v[2 * I + l / 4];
+    return r;
+  }
   // sum_g o[g] * xs[g]: eight lanes of fused multiply-adds (lane l takes g = l mod 8), the AVX2 sum of
   // the lanes, then the last groups one after another (the same bits as Avx2::offset_dot).
   template <class SC>
@@ -293,6 +312,24 @@ struct Avx2 {
       const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 2 + 8 * h));
       _mm256_storeu_ps(s + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
     }
+  }
+  static V k_scales8(const uint8_t* rec) {  // Portable::k_scales8
+    uint16_t hd;
+    std::memcpy(&hd, rec, sizeof hd);
+    return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(hd)), bytes8(rec + 4));
+  }
+  static V k_offsets8(const uint8_t* rec) {  // Portable::k_offsets8
+    uint16_t hm;
+    std::memcpy(&hm, rec + 2, sizeof hm);
+    return _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(hm)), bytes8(rec + 12));
+  }
+  static __m256 bytes8(const uint8_t* b) {  // 8 unsigned bytes as float32
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+  }
+  template <int I>
+  static V pair_of(V s) {  // Portable::pair_of
+    constexpr int lo = 2 * I, hi = 2 * I + 1;
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi));
   }
   static __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
   static __m256 load8(const uint16_t* s) {
