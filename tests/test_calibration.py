@@ -224,10 +224,11 @@ def test_plan_weight_bytes_and_blocks_equal_the_engines_for_gguf_files(
     )
     assert on_device["usable_kv_bytes"] == memory - reserve - engine.loaded.weight_bytes
     # each packed type: the plan names the form the start-up log says the engine executes it in
-    executed = [m for m in caplog.messages if m.startswith("GGUF weights ") and " executed as " in m]
+    executed = [m for m in caplog.messages if m.startswith("GGUF weights ") and " tensor(s) executed as " in m]
     for line in executed:
         ggml_type, rest = line.removeprefix("GGUF weights ").split(": ", 1)
         count, form = rest.removesuffix(" (exact, no requantization)").split(" tensor(s) executed as ")
+        form = form.split(" x int8 activations")[0]  # (the default on the CPU: the file's blocks x int8)
         assert f"{ggml_type} x{count} executed as {form}" in plan["weight_assumption"], line
     quantized = any(t.startswith("Q") for t in open_gguf(path).type_counts())
     assert bool(executed) == (quantized and quantization is None and quant_kernels_or_none() is not None)
@@ -249,11 +250,13 @@ def test_with_int8_activations_a_tied_lm_head_copies_the_embedding_blocks_and_th
     tied = "output.weight" not in gguf.tensors
     with caplog.at_level("INFO", logger="kvpager"):
         engine = Engine(EngineConfig(model=str(path), kv_cache_memory=budget, gguf_int8_activations=True))
-    exact = Engine(EngineConfig(model=str(path), kv_cache_memory=budget))
+    exact = Engine(EngineConfig(model=str(path), kv_cache_memory=budget, gguf_int8_activations=False))
     flags = ["--kv-dtype", KV_FLAGS[engine.config.resolved_kv_cache_dtype]]
     plan = plan_json(capsys, str(path), "--kv-cache-memory", str(budget), "--gguf-int8-activations", *flags)
     assert plan["weight_bytes"] == engine.loaded.weight_bytes
     assert plan["engine_num_blocks"] == engine.pool.num_blocks
+    exact_plan = plan_json(capsys, str(path), "--kv-cache-memory", str(budget), "--no-gguf-int8-activations", *flags)
+    assert exact_plan["weight_bytes"] == exact.loaded.weight_bytes
     copied = [m for m in caplog.messages if "copied for the tied lm_head" in m]
     head = engine.loaded.model.lm_head.weight
     # Q4_K's and Q6_K's linear weights hold the file's super-block records on the integer dot

@@ -6,18 +6,23 @@
   dequantized weight) to float32 rounding;
 - a whole model's logits stay within a measured bound of the exact packed model's, and its KV
   fingerprint differs from the exact model's (other arithmetic, other KV);
-- the flag is refused with --quantization and on a safetensors checkpoint, naming the problem.
+- the flag is refused with --quantization and on a safetensors checkpoint, naming the problem;
+- unset, it is on wherever the CPU kernels run the file's blocks (llama.cpp's arithmetic, what a
+  llama.cpp user expects), off where they cannot (--quantization, tensor parallelism, no kernels);
+  --no-gguf-int8-activations keeps the exact path.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 import torch
 from test_model_equivalence import PagedHarness
 
-from kvpager.core.config import EngineConfig
+from kvpager.core.config import EngineConfig, resolve_gguf_int8_activations
+from kvpager.engine.args import add_engine_args, config_from_args
 from kvpager.engine.engine import Engine
 from kvpager.model import load_model
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight, reference_matmul
@@ -85,7 +90,7 @@ def test_logits_stay_within_the_activation_rounding_bound(name: str, capsys: pyt
 
 
 def test_the_start_up_log_points_exact_runs_to_the_flag(caplog: pytest.LogCaptureFixture) -> None:
-    hint = "computed exactly; --gguf-int8-activations computes them as llama.cpp does"
+    hint = "computed exactly (--no-gguf-int8-activations); the default computes them as llama.cpp does"
     with caplog.at_level("INFO", logger="kvpager"):
         load_model(DATA / "tiny-llama-Q4_K_M.gguf", dtype=torch.float32, device="cpu")
     assert f"Q4_K, Q6_K {hint}" in caplog.text  # the types the flag would change, named once
@@ -98,7 +103,7 @@ def test_the_start_up_log_points_exact_runs_to_the_flag(caplog: pytest.LogCaptur
 def test_fingerprint_differs_from_the_exact_model() -> None:
     path = str(DATA / "tiny-llama-Q4_K_M.gguf")
     common = {"model": path, "dtype": "float32", "block_size": 4, "kv_cache_memory": 1 << 22}
-    exact = Engine(EngineConfig(**common)).kv_expectation().model_fingerprint
+    exact = Engine(EngineConfig(**common, gguf_int8_activations=False)).kv_expectation().model_fingerprint
     dot = Engine(EngineConfig(**common, gguf_int8_activations=True)).kv_expectation().model_fingerprint
     assert exact != dot
 
@@ -123,3 +128,54 @@ def test_flag_where_the_file_is_dequantized_is_refused() -> None:
     # would change nothing there, so it is refused instead of ignored
     with pytest.raises(ValueError, match=r"GGUF weights are dequantized \(floats asked for\)"):
         load_model(DATA / FILES[0], dtype=torch.float32, device="cpu", gguf_dequantize=True, gguf_int8_activations=True)
+
+
+def test_unset_the_cpu_runs_a_gguf_file_with_int8_activations() -> None:
+    common = {"model": str(DATA / "tiny-llama-Q4_K_M.gguf"), "dtype": "float32", "block_size": 4}
+    default = Engine(EngineConfig(**common, kv_cache_memory=1 << 22))
+    assert EngineConfig(**common).gguf_int8_activations is None  # resolved at load, where the device is known
+    assert default.config.gguf_int8_activations is True
+    flag = Engine(EngineConfig(**common, kv_cache_memory=1 << 22, gguf_int8_activations=True))
+    exact = Engine(EngineConfig(**common, kv_cache_memory=1 << 22, gguf_int8_activations=False))
+    assert exact.config.gguf_int8_activations is False
+    fingerprint = default.kv_expectation().model_fingerprint
+    assert fingerprint == flag.kv_expectation().model_fingerprint
+    assert fingerprint != exact.kv_expectation().model_fingerprint
+
+
+@pytest.mark.parametrize(
+    ("requested", "gguf", "quantization", "ranks", "cpu_kernels", "expected"),
+    [
+        (None, True, None, 1, True, True),
+        (None, False, None, 1, True, False),  # a safetensors checkpoint
+        (None, True, "int8", 1, True, False),  # requantized from floats
+        (None, True, None, 2, True, False),  # ranks slice dequantized floats
+        (None, True, None, 1, False, False),  # a GPU, or no compiler for the kernels
+        (False, True, None, 1, True, False),
+        (True, True, None, 1, True, True),
+    ],
+)
+def test_unset_int8_activations_resolve_on_only_where_the_kernels_run_the_files_blocks(
+    requested: bool | None, gguf: bool, quantization: str | None, ranks: int, cpu_kernels: bool, expected: bool
+) -> None:
+    got = resolve_gguf_int8_activations(
+        requested, gguf=gguf, quantization=quantization, tensor_parallel_size=ranks, cpu_kernels=cpu_kernels
+    )
+    assert got is expected
+
+
+def test_unset_with_quantization_or_ranks_is_accepted_and_stays_exact() -> None:
+    path = str(DATA / "tiny-llama-Q4_K_M.gguf")
+    assert EngineConfig(model=path, tensor_parallel_size=2).gguf_int8_activations is None
+    engine = Engine(EngineConfig(model=path, quantization="int8", block_size=4, kv_cache_memory=1 << 22))
+    assert engine.config.gguf_int8_activations is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], None), (["--gguf-int8-activations"], True), (["--no-gguf-int8-activations"], False)]
+)
+def test_command_line_takes_the_flag_and_its_negation(argv: list[str], expected: bool | None) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = config_from_args(parser.parse_args(["--model", str(DATA / FILES[0]), *argv]))
+    assert config.gguf_int8_activations is expected

@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gguf-int8-activations",
-        action="store_true",
-        help="as `kvpager serve`: a GGUF model with a tied lm_head then holds a packed copy of the embedding's "
-        "blocks for it, counted here",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="as `kvpager serve` (on by default for a GGUF file on the CPU): the forms the file's blocks are held "
+        "in, and a tied lm_head's packed copy of the embedding's blocks, counted here",
     )
     p.add_argument(
         "--tensor-parallel-size",

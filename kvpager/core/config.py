@@ -67,8 +67,10 @@ class EngineConfig:
     # tied embedding keeps its table in `dtype`, the lm_head gets its own int8 copy); False: lm_head in `dtype`.
     # Without `quantization` (or for a GGUF file, whose lm_head keeps its own form) it has no effect.
     quantize_lm_head: bool = True
-    # GGUF only: the file's Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks times activations quantized to int8 per block of 32
-    gguf_int8_activations: bool = False
+    # GGUF only: the file's Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks times activations quantized to int8 per
+    # block of 32 (llama.cpp's arithmetic); False: exact; None: on where the file's blocks reach the CPU
+    # integer-dot kernels (resolve_gguf_int8_activations)
+    gguf_int8_activations: bool | None = None
     kv_cache_dtype: str = "auto"  # "auto": same as dtype
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
@@ -306,6 +308,18 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device_type: str) -> st
     if name == "float16" and device_type == "cpu":
         return "bfloat16"
     return name if name in COMPUTE_DTYPES else "float32"
+
+
+def resolve_gguf_int8_activations(
+    requested: bool | None, *, gguf: bool, quantization: str | None, tensor_parallel_size: int, cpu_kernels: bool
+) -> bool:
+    """Whether a model runs its GGUF blocks times int8 activations: `requested` where given, else (None)
+    whenever it can, as llama.cpp (and vLLM's GGUF kernels) always compute those types: a GGUF file
+    whose blocks reach the CPU integer-dot kernels (`cpu_kernels`: the device is the CPU and the
+    kernels built), not requantized (--quantization) and not sliced across ranks."""
+    if requested is not None:
+        return requested
+    return gguf and quantization is None and tensor_parallel_size == 1 and cpu_kernels
 
 
 def _check(ok: bool, message: str) -> None:

@@ -193,10 +193,12 @@ def add_weight_format_args(g: argparse._ActionsContainer) -> None:
     )
     g.add_argument(
         "--gguf-int8-activations",
-        action="store_true",
-        help="GGUF files: multiply the file's Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks with activations quantized to int8 per "
-        "block of 32 (llama.cpp's arithmetic: integer dot products, faster, not exact; docs/precision.md); "
-        "other tensor types stay exact",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GGUF files: multiply the file's Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K blocks with activations quantized to int8 "
+        "per block of 32, llama.cpp's arithmetic (integer dot products: faster, not exact; docs/precision.md); other "
+        "tensor types stay exact. Default: on where the CPU kernels run the file's blocks (not with --quantization, "
+        "--tensor-parallel-size > 1 or a GPU); --no-gguf-int8-activations computes them exactly",
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype
+from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype, resolve_gguf_int8_activations
 from kvpager.core.hashing import FingerprintComponent, RequestId, model_fingerprint
 from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
@@ -138,7 +138,18 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
     tokenizer = load_tokenizer(config.tokenizer, model_dir, gguf_model)
     max_model_len = resolve_max_model_len(config, spec)
     device = resolve_device(config.device)
-    config = replace(config, dtype=resolve_dtype(config.dtype, spec.torch_dtype, device.type))
+    int8_activations = resolve_gguf_int8_activations(
+        config.gguf_int8_activations,
+        gguf=gguf_model is not None,
+        quantization=config.quantization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        cpu_kernels=device.type == "cpu" and quant_kernels_or_none() is not None,
+    )
+    config = replace(
+        config,
+        dtype=resolve_dtype(config.dtype, spec.torch_dtype, device.type),
+        gguf_int8_activations=int8_activations,
+    )
     dtype = TORCH_DTYPES[config.dtype]
     kv_dtype = TORCH_DTYPES[config.resolved_kv_cache_dtype]
     model = load_model(
@@ -153,7 +164,7 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
         quantization_group_size=config.resolved_quantization_group_size,
         quantize_lm_head=config.quantize_lm_head,
         parallel=parallel,
-        gguf_int8_activations=config.gguf_int8_activations,
+        gguf_int8_activations=int8_activations,
     )
     model.eval()
     log_weight_format(config, spec, device, lm_head_format(model), gguf=gguf_model is not None)

@@ -144,8 +144,8 @@ class GGUFWeights:
         if self._exact_dot_types:  # what a llama.cpp user expects from these types, one flag away
             types = ", ".join(sorted(self._exact_dot_types))
             lines.append(
-                f"{types} computed exactly; --gguf-int8-activations computes them as llama.cpp does (activations "
-                "quantized to int8: faster, not exact; docs/precision.md)"
+                f"{types} computed exactly (--no-gguf-int8-activations); the default computes them as llama.cpp "
+                "does (activations quantized to int8: faster, not exact; docs/precision.md)"
             )
         return lines
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpager.core.config import resolve_dtype
+from kvpager.core.config import resolve_dtype, resolve_gguf_int8_activations
 from kvpager.core.sizing import KVShape, pool_size
 from kvpager.core.tensor_parallel import tensor_parallel_layout
 from kvpager.gguf import hf_config_from_gguf, is_gguf_path, open_gguf
@@ -48,7 +48,9 @@ class PlanOptions:
     quantization: str | None = None  # core.config.QUANTIZATIONS (int8 | int4 | w8a8_int8 | w4a8_int8)
     quantization_group_size: int | None = None
     quantize_lm_head: bool = True  # with quantization: the lm_head int8 per output channel (not for GGUF files)
-    gguf_int8_activations: bool = False  # GGUF: a tied lm_head's packed copy of the embedding's blocks
+    # GGUF: the file's blocks times int8 activations (their forms; a tied lm_head's packed copy of the
+    # embedding's blocks); None: as `kvpager serve` resolves it on the CPU (resolve_gguf_int8_activations)
+    gguf_int8_activations: bool | None = None
     tensor_parallel_size: int = 1  # engine_*: one rank's pool (its KV heads), as `serve --tensor-parallel-size`
 
     def __post_init__(self) -> None:
@@ -139,7 +141,13 @@ def resolve_weights(
         dtype = options.dtype if options is not None and options.dtype is not None else None
         if dtype is None:  # `kvpager serve`'s --dtype auto on the CPU
             dtype = resolve_dtype("auto", str(hf_config_from_gguf(gguf_model)["torch_dtype"]), "cpu")
-        int8_activations = options is not None and options.gguf_int8_activations
+        int8_activations = resolve_gguf_int8_activations(
+            options.gguf_int8_activations if options is not None else None,
+            gguf=True,
+            quantization=None,
+            tensor_parallel_size=options.tensor_parallel_size if options is not None else 1,
+            cpu_kernels=True,
+        )
         resident = gguf_resident_weights(gguf_model, dtype, int8_activations=int8_activations)
         bits = round(8 * resident.num_bytes / counts.total, 3) if counts.total else 0.0
         return WeightsAnswer("gguf", bits, resident.describe(), resident.num_bytes, resident.file_bytes)
