@@ -130,9 +130,14 @@ def test_flag_where_the_file_is_dequantized_is_refused() -> None:
         load_model(DATA / FILES[0], dtype=torch.float32, device="cpu", gguf_dequantize=True, gguf_int8_activations=True)
 
 
-def test_unset_the_cpu_runs_a_gguf_file_with_int8_activations() -> None:
+def test_unset_the_cpu_runs_a_gguf_file_with_int8_activations(caplog: pytest.LogCaptureFixture) -> None:
     common = {"model": str(DATA / "tiny-llama-Q4_K_M.gguf"), "dtype": "float32", "block_size": 4}
-    default = Engine(EngineConfig(**common, kv_cache_memory=1 << 22))
+    with caplog.at_level("INFO", logger="kvpager"):
+        default = Engine(EngineConfig(**common, kv_cache_memory=1 << 22))
+    # the start-up log says what runs and how to get the exact path back
+    assert "x int8 activations per block of 32 (llama.cpp's arithmetic, not exact; --no-gguf-int8-activations" in (
+        caplog.text
+    )
     assert EngineConfig(**common).gguf_int8_activations is None  # resolved at load, where the device is known
     assert default.config.gguf_int8_activations is True
     flag = Engine(EngineConfig(**common, kv_cache_memory=1 << 22, gguf_int8_activations=True))

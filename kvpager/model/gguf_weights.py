@@ -162,7 +162,10 @@ class GGUFWeights:
         if weight.nbytes != form.num_bytes(*tensor.shape):  # NOTE: the planner counts form.num_bytes
             raise AssertionError(f"{name}: {tensor.type_name} packed into {weight.nbytes} bytes, not {form.name}'s")
         if dynamic:
-            how = f"executed as {form.name} x int8 activations per block of 32 (--gguf-int8-activations, not exact)"
+            how = (
+                f"executed as {form.name} x int8 activations per block of 32 (llama.cpp's arithmetic, not exact; "
+                "--no-gguf-int8-activations: exact)"
+            )
         else:
             how = f"executed as {form.name} (exact, no requantization)"
             if tensor.type_name in INT8_DOT_TYPES:
