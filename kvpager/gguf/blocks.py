@@ -40,7 +40,7 @@ class BlockCodes:
     scales: np.ndarray  # [N, K // group] float32
     offsets: np.ndarray | None  # [N, K // group] float32; None: symmetric (w = code * scale)
     group: int
-    k_records: np.ndarray | None = None  # Q4_K only: [N, K // 256, K_RECORD_BYTES] uint8, the file's factors
+    k_records: np.ndarray | None = None  # Q4_K, Q5_K: [N, K // 256, K_RECORD_BYTES] uint8, the file's factors
     q6_records: np.ndarray | None = None  # Q6_K only: [N, K // 256, Q6_RECORD_BYTES] uint8, the file's factors
 
     def rows(self, order: np.ndarray) -> BlockCodes:
@@ -82,7 +82,7 @@ def unpack_blocks(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> B
         scales.reshape(rows, cols // group),
         None if offsets is None else offsets.reshape(rows, cols // group),
         group,
-        _k_records(blocks).reshape(rows, cols // QK_K, K_RECORD_BYTES) if type_name == "Q4_K" else None,
+        _k_records(blocks).reshape(rows, cols // QK_K, K_RECORD_BYTES) if type_name in ("Q4_K", "Q5_K") else None,
         _q6_records(blocks).reshape(rows, cols // QK_K, Q6_RECORD_BYTES) if type_name == "Q6_K" else None,
     )
 
@@ -115,7 +115,8 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _k_records(blocks: np.ndarray) -> np.ndarray:
-    """Q4_K's factors per block [n, K_RECORD_BYTES]: the f16 d and dmin bytes, the 8 sc, the 8 m."""
+    """Q4_K's (or Q5_K's: the same first 16 bytes) factors per block [n, K_RECORD_BYTES]: the f16 d and
+    dmin bytes, the 8 sc, the 8 m."""
     sc, mn = _scale_min_k4(blocks[:, 4:16])
     return np.concatenate([blocks[:, 0:4], sc, mn], axis=1).astype(np.uint8)
 

@@ -18,10 +18,11 @@ are products (d * sub-block scale), held as float32, as are all offsets:
 | Q5_K      | int8 g32 + per-group offset    | 1 + 8/32 = 1.25       | 176/256 = 0.6875  |
 | Q6_K      | int8 g16                       | 1 + 4/16 = 1.25       | 210/256 = 0.8203  |
 
-With --gguf-int8-activations (the integer-dot kernels) Q4_K and Q6_K instead keep the file's factors
-(`DOT_FORMS`), per super-block of 256: Q4_K float16 d and dmin and the 8 six-bit scales and mins a
-byte each, 0.5 + 20/256 = 0.578 bytes a weight (the file's 0.5625 but for the 6-bit fields' padding);
-Q6_K float16 d and the 16 int8 scales, 1 + 18/256 = 1.070. The kernel expands d * sc (and -dmin * m)
+With --gguf-int8-activations (the integer-dot kernels) Q4_K, Q5_K and Q6_K instead keep the file's
+factors (`DOT_FORMS`), per super-block of 256: Q4_K float16 d and dmin and the 8 six-bit scales and
+mins a byte each, 0.5 + 20/256 = 0.578 bytes a weight (the file's 0.5625 but for the 6-bit fields'
+padding); Q5_K the same record beside int8 codes, 1 + 20/256 = 1.078; Q6_K float16 d and the 16 int8
+scales, 1 + 18/256 = 1.070. The kernel expands d * sc (and -dmin * m)
 of the rows it multiplies, the same float32 values.
 
 Q5_K's 5-bit and Q6_K's 6-bit codes sit in int8 because the kernels read 8- and 4-bit codes only.
@@ -108,6 +109,9 @@ PACKED_FORMS = {
 # the integer-dot kernels' forms where they differ from PACKED_FORMS (--gguf-int8-activations)
 DOT_FORMS = {
     "Q4_K": PackedForm("int4 g32, the file's super-block scales", 32, 4, True, record_bytes=K_RECORD_BYTES),
+    "Q5_K": PackedForm(
+        "int8 g32 + per-group offset, the file's super-block scales", 32, 8, True, record_bytes=K_RECORD_BYTES
+    ),
     "Q6_K": PackedForm("int8 g16, the file's super-block scales", 16, 8, False, record_bytes=Q6_RECORD_BYTES),
 }
 

@@ -54,7 +54,7 @@ def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scales.reshape(n, supers * K_GROUPS), offsets.reshape(n, supers * K_GROUPS)
 
 
-def _check_records(owner: str, records: torch.Tensor, rows: int, in_features: int, record_bytes: int) -> None:
+def check_records(owner: str, records: torch.Tensor, rows: int, in_features: int, record_bytes: int) -> None:
     """ValueError unless in_features is a multiple of K_SUPER and records is uint8 [rows, in_features /
     K_SUPER, record_bytes]."""
     if in_features % K_SUPER != 0:
@@ -64,7 +64,7 @@ def _check_records(owner: str, records: torch.Tensor, rows: int, in_features: in
         raise ValueError(f"{owner}: records must be uint8 {expected}, got {tuple(records.shape)}")
 
 
-class _FileScales:
+class FileScales:
     """The paths other than the integer-dot kernel (the exact fallback a CPU hands large batches to, the
     bfloat16 GEMM, dequantize) on `float_form()`: the weight with its records expanded for that call."""
 
@@ -81,7 +81,7 @@ class _FileScales:
         return self.float_form().bf16_matmul(x2, bias)
 
 
-class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
+class KScaledInt4DotWeight(FileScales, Int4DotWeight):
     """int4 codes (group 32, as Int4DotWeight) with Q4_K's super-block records for scales and offsets.
 
     `packed` [N, K / 2] in the plain layout (interleaved here as Int4DotWeight does), `records`
@@ -92,7 +92,7 @@ class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
     ) -> None:
         PackedWeight.__init__(self)
         out_features = packed.shape[0]
-        _check_records("KScaledInt4DotWeight", records, out_features, in_features, K_RECORD_BYTES)
+        check_records("KScaledInt4DotWeight", records, out_features, in_features, K_RECORD_BYTES)
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2):
             raise ValueError(f"KScaledInt4DotWeight: packed must be uint8 [N, K / 2], got {tuple(packed.shape)}")
         check_dynamic_group(self.method, 32, in_features)
@@ -154,7 +154,7 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
-class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
+class Q6ScaledInt8DotWeight(FileScales, Int8DotWeight):
     """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales.
 
     `qweight` [N, K] int8 in the plain layout (interleaved here as Int8DotWeight does), `records`
@@ -162,7 +162,7 @@ class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
 
     def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
         out_features, in_features = qweight.shape
-        _check_records("Q6ScaledInt8DotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
+        check_records("Q6ScaledInt8DotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
         if qweight.dtype != torch.int8:
             raise ValueError(f"Q6ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
         PackedWeight.__init__(self)
@@ -205,8 +205,10 @@ class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
 __all__ = [
     "FMT_K_SCALES",
     "FMT_Q6_SCALES",
+    "FileScales",
     "KScaledInt4DotWeight",
     "Q6ScaledInt8DotWeight",
+    "check_records",
     "expand_k_records",
     "expand_q6_records",
 ]

@@ -78,11 +78,12 @@ inline const SC* scale_row(const DotPacked& p, int64_t n) {
 // Row n's offsets (int4, asymmetric).
 inline const float* offset_row(const DotPacked& p, int64_t n) { return p.offsets + (n - p.scale_row0) * p.num_groups; }
 
-// A format value with this bit set holds GGUF Q4_K's scales as the file does (int4, group 32, K a
-// multiple of 256): per row, one kKRecord-byte record per super-block of kKGroups groups: float16 d,
-// float16 dmin, kKGroups six-bit scales sc, kKGroups six-bit mins m (a byte each). Group g's scale is
-// d * sc[g] and its offset -(dmin * m[g]), both exact in float32: the float32 form's values, so the
-// two forms give the same bits. 0.58 bytes a weight where the float32 form holds 0.75.
+// A format value with this bit set holds GGUF Q4_K's or Q5_K's scales as the file does (int4 / int8,
+// group 32, K a multiple of 256): per row, one kKRecord-byte record per super-block of kKGroups groups:
+// float16 d, float16 dmin, kKGroups six-bit scales sc, kKGroups six-bit mins m (a byte each). Group g's
+// scale is d * sc[g] and its offset -(dmin * m[g]), both exact in float32: the float32 form's values,
+// so the two forms give the same bits. Q4_K: 0.58 bytes a weight where the float32 form holds 0.75;
+// Q5_K (int8 codes 0..31): 1.08 where it holds 1.25.
 constexpr int64_t kKScales = 1024;
 constexpr int64_t kKGroups = 8;
 constexpr int64_t kKRecord = 20;
@@ -155,7 +156,7 @@ int64_t kvq_dot_panel_rows(int64_t max_level) {
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
 // fmt | kHalfScales: `scales` holds IEEE float16; fmt | kvq_int4::kRowsBit: rows interleaved (int4_rows.h;
 // int8: on the AVX2 or portable path, whatever max_level allows); fmt | kKScales: `scales` holds Q4_K's
-// super-block records (int4, group 32, K a multiple of 256, `offsets` null); fmt | kQ6Scales: Q6_K's
+// or Q5_K's super-block records (int4 / int8, group 32, K a multiple of 256, `offsets` null); fmt | kQ6Scales: Q6_K's
 // (int8, group 16, K a multiple of 256, `offsets` null).
 // int8 takes `offsets` too (float32 [N, groups], groups a multiple of 32): y gains offset[n, g] times the
 // group's sum of the quantized activations, as int4's asymmetric groups do.
@@ -170,7 +171,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales | kQ6Scales);
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
-  if (k_scales && (fmt != kFmtInt4 || group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
+  if (k_scales && (group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
   if (fmt == kFmtInt8 && offsets && (half || group % B != 0)) return -1;  // offsets: whole activation blocks
   if (q6_scales && (k_scales || fmt != kFmtInt8 || group != B / 2 || K % (B / 2 * kQ6Groups) != 0 || half_scales ||
                     offsets))
@@ -209,7 +210,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   else
 #endif
     portable::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
-  if (int4 || offsets) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
+  if (int4 || offsets || k_scales) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
     xs.assign(static_cast<size_t>(M * p.num_groups), 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < p.blocks; ++b) {
