@@ -34,26 +34,17 @@ from kvpager.gguf.blocks import K_RECORD_BYTES, BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
 from kvpager.model.backends.k_scales import (
     FMT_K_SCALES,
-    FileScales,
     KScaledInt4DotWeight,
     Q6ScaledInt8DotWeight,
-    check_records,
+    RecordsInt8DotWeight,
     expand_k_records,
 )
-from kvpager.model.backends.quant_dot import (
-    Int4DotWeight,
-    Int8DotWeight,
-    _int8_rows_interleave_here,
-    check_dynamic_group,
-)
-from kvpager.model.backends.quant_kernels import FMT_INT8, FMT_ROWS4
+from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import (
     Int4Weight,
     Int8Weight,
     PackedWeight,
-    _interleavable,
     cat_rows,
-    interleave_rows,
     join_rows,
 )
 
@@ -190,56 +181,21 @@ class AffineInt8DotWeight(Int8DotWeight):
         return self.qweight.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr()
 
 
-class K5ScaledInt8DotWeight(FileScales, Int8DotWeight):
+class K5ScaledInt8DotWeight(RecordsInt8DotWeight):
     """GGUF Q5_K times int8 activations holding the file's super-block factors: int8 codes 0..31 (group
-    32, interleaved as Int8DotWeight does) and, per row and super-block of 256, Q4_K's record (float16 d
-    and dmin, the 8 six-bit scales and mins a byte each; K_RECORD_BYTES): 1.08 bytes a weight where
-    AffineInt8DotWeight's float32 scales and offsets hold 1.25. The integer-dot kernel widens the records
-    of the rows it multiplies (kKScales on int8), the float32 form's values, so its bits.
+    32) and, per row and super-block of 256, Q4_K's record (float16 d and dmin, the 8 six-bit scales and
+    mins a byte each; K_RECORD_BYTES): 1.08 bytes a weight where AffineInt8DotWeight's float32 scales
+    and offsets hold 1.25. The integer-dot kernel widens the records of the rows it multiplies (kKScales
+    on int8), the float32 form's values, so its bits."""
 
-    `qweight` [N, K] int8 in the plain layout, `records` [N, K / 256, K_RECORD_BYTES] uint8."""
-
-    def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
-        out_features, in_features = qweight.shape
-        check_records("K5ScaledInt8DotWeight", records, out_features, in_features, K_RECORD_BYTES)
-        if qweight.dtype != torch.int8:
-            raise ValueError(f"K5ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
-        PackedWeight.__init__(self)
-        check_dynamic_group(self.method, 32, in_features)
-        if interleave is None:
-            interleave = self.INTERLEAVE and _int8_rows_interleave_here()
-        self.interleave = interleave
-        short = in_features <= self.INTERLEAVE_MAX_ROW_BYTES
-        self.interleaved = interleave and short and _interleavable(qweight)
-        self.qweight = interleave_rows(qweight) if self.interleaved else qweight.contiguous()
-        self.out_features, self.in_features, self.group_size = out_features, in_features, 32
-        self.records = records.contiguous()
-
-    @classmethod
-    def cat(cls, parts: list[K5ScaledInt8DotWeight]) -> K5ScaledInt8DotWeight:
-        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
-        records = torch.cat([p.records for p in parts])
-        return join_rows(parts, lambda qweight, interleave: cls(qweight, records, interleave))
+    GROUP, RECORD_BYTES, FMT_RECORDS = 32, K_RECORD_BYTES, FMT_K_SCALES
 
     def float_form(self) -> AffineInt8DotWeight:
         """The same weight as AffineInt8DotWeight (float32 scales and offsets, expanded now; codes shared)."""
         scales, offsets = expand_k_records(self.records)
-        weight = AffineInt8DotWeight(self.qweight, scales, offsets, 32, interleave=False)
-        weight.interleave, weight.interleaved = self.interleave, self.interleaved
-        weight.max_level = self.max_level
+        weight = self._float_form_of(AffineInt8DotWeight(self.qweight, scales, offsets, 32, interleave=False))
+        assert isinstance(weight, AffineInt8DotWeight)
         return weight
-
-    def kernel_fmt(self) -> int:
-        return FMT_INT8 | FMT_K_SCALES | (FMT_ROWS4 if self.interleaved else 0)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.qweight, self.records)
-
-    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.plain_qweight(), self.records)
-
-    def _pointers(self) -> tuple[int, int | None, int | None]:
-        return self.qweight.data_ptr(), self.records.data_ptr(), None
 
 
 class RowStack(PackedWeight):

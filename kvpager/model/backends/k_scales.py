@@ -17,6 +17,8 @@ sc (Q6_RECORD_BYTES = 18) cost 0.07 (kQ6Scales in the kernel).
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, QK_K
@@ -54,7 +56,7 @@ def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scales.reshape(n, supers * K_GROUPS), offsets.reshape(n, supers * K_GROUPS)
 
 
-def check_records(owner: str, records: torch.Tensor, rows: int, in_features: int, record_bytes: int) -> None:
+def _check_records(owner: str, records: torch.Tensor, rows: int, in_features: int, record_bytes: int) -> None:
     """ValueError unless in_features is a multiple of K_SUPER and records is uint8 [rows, in_features /
     K_SUPER, record_bytes]."""
     if in_features % K_SUPER != 0:
@@ -64,7 +66,7 @@ def check_records(owner: str, records: torch.Tensor, rows: int, in_features: int
         raise ValueError(f"{owner}: records must be uint8 {expected}, got {tuple(records.shape)}")
 
 
-class FileScales:
+class _FileScales:
     """The paths other than the integer-dot kernel (the exact fallback a CPU hands large batches to, the
     bfloat16 GEMM, dequantize) on `float_form()`: the weight with its records expanded for that call."""
 
@@ -81,7 +83,7 @@ class FileScales:
         return self.float_form().bf16_matmul(x2, bias)
 
 
-class KScaledInt4DotWeight(FileScales, Int4DotWeight):
+class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
     """int4 codes (group 32, as Int4DotWeight) with Q4_K's super-block records for scales and offsets.
 
     `packed` [N, K / 2] in the plain layout (interleaved here as Int4DotWeight does), `records`
@@ -92,7 +94,7 @@ class KScaledInt4DotWeight(FileScales, Int4DotWeight):
     ) -> None:
         PackedWeight.__init__(self)
         out_features = packed.shape[0]
-        check_records("KScaledInt4DotWeight", records, out_features, in_features, K_RECORD_BYTES)
+        _check_records("KScaledInt4DotWeight", records, out_features, in_features, K_RECORD_BYTES)
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2):
             raise ValueError(f"KScaledInt4DotWeight: packed must be uint8 [N, K / 2], got {tuple(packed.shape)}")
         check_dynamic_group(self.method, 32, in_features)
@@ -154,43 +156,49 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
-class Q6ScaledInt8DotWeight(FileScales, Int8DotWeight):
-    """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales.
+class RecordsInt8DotWeight(_FileScales, Int8DotWeight):
+    """int8 codes (interleaved as Int8DotWeight does) with a GGUF type's super-block records for their
+    scales (and offsets): the shared part of Q6ScaledInt8DotWeight and gguf_packed's Q5_K form. A
+    subclass names its GROUP, RECORD_BYTES, the kernel's FMT_RECORDS bit and its float_form().
 
-    `qweight` [N, K] int8 in the plain layout (interleaved here as Int8DotWeight does), `records`
-    [N, K / 256, Q6_RECORD_BYTES] uint8; K a multiple of 256."""
+    `qweight` [N, K] int8 in the plain layout, `records` [N, K / 256, RECORD_BYTES] uint8; K a multiple
+    of 256."""
+
+    GROUP: int
+    RECORD_BYTES: int
+    FMT_RECORDS: int
 
     def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
         out_features, in_features = qweight.shape
-        check_records("Q6ScaledInt8DotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
+        owner = type(self).__name__
+        _check_records(owner, records, out_features, in_features, self.RECORD_BYTES)
         if qweight.dtype != torch.int8:
-            raise ValueError(f"Q6ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
+            raise ValueError(f"{owner}: codes must be int8, got {qweight.dtype}")
         PackedWeight.__init__(self)
-        check_dynamic_group(self.method, Q6_GROUP, in_features)
+        check_dynamic_group(self.method, self.GROUP, in_features)
         if interleave is None:
             interleave = self.INTERLEAVE and _int8_rows_interleave_here()
         self.interleave = interleave
         short = in_features <= self.INTERLEAVE_MAX_ROW_BYTES
         self.interleaved = interleave and short and _interleavable(qweight)
         self.qweight = interleave_rows(qweight) if self.interleaved else qweight.contiguous()
-        self.out_features, self.in_features, self.group_size = out_features, in_features, Q6_GROUP
+        self.out_features, self.in_features, self.group_size = out_features, in_features, self.GROUP
         self.records = records.contiguous()
 
     @classmethod
-    def cat(cls, parts: list[Q6ScaledInt8DotWeight]) -> Q6ScaledInt8DotWeight:
+    def cat(cls, parts: list[Self]) -> Self:
         """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
         records = torch.cat([p.records for p in parts])
         return join_rows(parts, lambda qweight, interleave: cls(qweight, records, interleave))
 
-    def float_form(self) -> Int8DotWeight:
-        """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""
-        weight = Int8DotWeight(self.qweight, expand_q6_records(self.records), Q6_GROUP, interleave=False)
+    def _float_form_of(self, weight: Int8DotWeight) -> Int8DotWeight:
+        """`weight` (built on this weight's codes with interleave=False) marked as they are stored."""
         weight.interleave, weight.interleaved = self.interleave, self.interleaved
         weight.max_level = self.max_level
         return weight
 
     def kernel_fmt(self) -> int:
-        return FMT_INT8 | FMT_Q6_SCALES | (FMT_ROWS4 if self.interleaved else 0)
+        return FMT_INT8 | self.FMT_RECORDS | (FMT_ROWS4 if self.interleaved else 0)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.records)
@@ -202,13 +210,24 @@ class Q6ScaledInt8DotWeight(FileScales, Int8DotWeight):
         return self.qweight.data_ptr(), self.records.data_ptr(), None
 
 
+class Q6ScaledInt8DotWeight(RecordsInt8DotWeight):
+    """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales."""
+
+    GROUP, RECORD_BYTES, FMT_RECORDS = Q6_GROUP, Q6_RECORD_BYTES, FMT_Q6_SCALES
+
+    def float_form(self) -> Int8DotWeight:
+        """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""
+        return self._float_form_of(
+            Int8DotWeight(self.qweight, expand_q6_records(self.records), Q6_GROUP, interleave=False)
+        )
+
+
 __all__ = [
     "FMT_K_SCALES",
     "FMT_Q6_SCALES",
-    "FileScales",
     "KScaledInt4DotWeight",
     "Q6ScaledInt8DotWeight",
-    "check_records",
+    "RecordsInt8DotWeight",
     "expand_k_records",
     "expand_q6_records",
 ]
