@@ -68,12 +68,13 @@ def test_the_vnni_rule_sends_prompts_to_the_gemm_path_on_intel_only() -> None:
         assert dot_kernel_max_rows(weight_format, LEVEL_AVX512, LEVEL_AVX512, "GenuineIntel") == KERNEL_MAX_ROWS
         assert dot_kernel_max_rows(weight_format, LEVEL_AVX512, LEVEL_AVX512, "AuthenticAMD") is None
         assert dot_kernel_max_rows(weight_format, LEVEL_AVX512, LEVEL_AVX512, None) is None
-        # without VNNI the vendor changes only AVX2 int4, whose prompts stay on the integer dot (its 8-row
-        # panels) off Intel
+        # without VNNI the vendor changes only the AVX2 path (exact kernels and dot both AVX2), whose prompts
+        # stay on the integer dot (its 8-row panels) off Intel, int8 and int4 alike
         for exact in (LEVEL_AVX512, LEVEL_AVX2, LEVEL_PORTABLE):
             intel = dot_kernel_max_rows(weight_format, exact, LEVEL_AVX2, "GenuineIntel")
             amd = dot_kernel_max_rows(weight_format, exact, LEVEL_AVX2, "AuthenticAMD")
-            assert (intel, amd) == ((32, None) if (weight_format, exact) == ("int4", LEVEL_AVX2) else (intel, intel))
+            on_intel = {"int8": 16, "int4": 32}[weight_format]
+            assert (intel, amd) == ((on_intel, None) if exact == LEVEL_AVX2 else (intel, intel))
 
 
 def test_the_vendor_is_read_from_cpuinfo(tmp_path: Path) -> None:

@@ -109,4 +109,4 @@ def test_panels_start_at_the_kernels_row_count_on_the_avx2_and_portable_paths_on
     assert torch.allclose(below, at[:31], rtol=1e-5, atol=1e-5)
     describe = kernels.describe_dot()
     if kernels.dot_level(kernels.default_level) != LEVEL_AVX512:
-        assert "int4 batches of 32+ rows" in describe
+        assert "batches of 32+ rows: 8 output rows per vector" in describe

@@ -61,7 +61,7 @@ def test_holds_the_files_values_in_fewer_bytes_than_the_exact_form() -> None:
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])
 def test_kernel_gives_the_float32_forms_bits(portable: bool, rows: int, cols: int) -> None:
     """42 rows: 40 interleaved and 2 plain (where this CPU interleaves int8 rows); 37: a remainder of 1;
-    batches of one row, row pairs, and past the integer dot's rows."""
+    batches of one row, row pairs, and the prompt panels (33 rows)."""
     weight = q5_k(rows, cols, seed=rows)
     float_form = weight.float_form()
     assert isinstance(float_form, AffineInt8DotWeight) and float_form.interleaved == weight.interleaved
@@ -83,7 +83,7 @@ def test_kernel_adds_the_offsets_on_the_groups_activation_sums(portable: bool, r
     weight.max_level = LEVEL_PORTABLE if portable else None
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(rows, generator=gen)
-    for m in (1, 2, 3, 16, 33):  # 33: past the integer dot's rows on AVX2, the exact path
+    for m in (1, 2, 3, 16, 33):  # 33: the prompt panels (kvq_dot_panel_rows) of the AVX2 and portable builds
         x = torch.randn(m, cols, generator=gen)
         b = bias if m % 2 else None
         ref = reference_matmul(weight, x, b)

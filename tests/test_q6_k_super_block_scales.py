@@ -47,7 +47,7 @@ def test_records_expand_to_the_block_decoders_scales() -> None:
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512), (9, 4352)])
 def test_kernel_gives_the_float32_forms_bits(portable: bool, rows: int, cols: int) -> None:
     """42 rows: 40 interleaved and 2 plain (where this CPU interleaves int8 rows); 37: a remainder of 1;
-    rows of 4352 bytes stay plain; batches of one row, row pairs, and past the integer dot's rows."""
+    rows of 4352 bytes stay plain; batches of one row, row pairs, and the prompt panels (33 rows)."""
     weight, float_form = q6_k(rows, cols, seed=rows)
     assert weight.interleaved == float_form.interleaved
     for w in (weight, float_form):

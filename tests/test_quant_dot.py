@@ -202,12 +202,12 @@ def test_the_dynamic_modes_differ_from_the_exact_ones_by_the_activation_rounding
 def test_the_dot_kernels_row_limit_follows_both_kernels_vector_width() -> None:
     # AVX2 exact kernels (as wide as the integer dot): decode batches stay on the integer dot; AVX-512
     # exact kernels against the AVX2 integer dot (twice as wide) or the portable build: only a few rows;
-    # the VNNI integer dot: decode batches again. int4 on AVX2 off Intel: every batch (prompts take its
-    # 8-row panels).
+    # the VNNI integer dot: decode batches again. int8 and int4 on AVX2 off Intel: every batch (prompts
+    # take the 8-row panels).
     assert dot_kernel_max_rows("int4", LEVEL_AVX2, LEVEL_AVX2, "GenuineIntel") == 32
     assert dot_kernel_max_rows("int4", LEVEL_AVX2, LEVEL_AVX2, "AuthenticAMD") is None
     assert dot_kernel_max_rows("int8", LEVEL_AVX2, LEVEL_AVX2, "GenuineIntel") == 16
-    assert dot_kernel_max_rows("int8", LEVEL_AVX2, LEVEL_AVX2, "AuthenticAMD") == 16
+    assert dot_kernel_max_rows("int8", LEVEL_AVX2, LEVEL_AVX2, "AuthenticAMD") is None
     assert dot_kernel_max_rows("int4", LEVEL_AVX512, LEVEL_AVX2) == DOT_KERNEL_MAX_ROWS == 4
     assert dot_kernel_max_rows("int8", LEVEL_PORTABLE, LEVEL_PORTABLE) == 4
     assert dot_kernel_max_rows("int8", LEVEL_AVX512, LEVEL_AVX512) is None  # every batch

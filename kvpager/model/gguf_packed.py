@@ -189,6 +189,7 @@ class K5ScaledInt8DotWeight(RecordsInt8DotWeight):
     on int8), the float32 form's values, so its bits."""
 
     GROUP, RECORD_BYTES, FMT_RECORDS = 32, K_RECORD_BYTES, FMT_K_SCALES
+    CODES = (0, 31)  # the file's 5-bit codes
 
     def float_form(self) -> AffineInt8DotWeight:
         """The same weight as AffineInt8DotWeight (float32 scales and offsets, expanded now; codes shared)."""

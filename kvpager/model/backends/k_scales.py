@@ -159,7 +159,8 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
 class RecordsInt8DotWeight(_FileScales, Int8DotWeight):
     """int8 codes (interleaved as Int8DotWeight does) with a GGUF type's super-block records for their
     scales (and offsets): the shared part of Q6ScaledInt8DotWeight and gguf_packed's Q5_K form. A
-    subclass names its GROUP, RECORD_BYTES, the kernel's FMT_RECORDS bit and its float_form().
+    subclass names its GROUP, RECORD_BYTES, the kernel's FMT_RECORDS bit, its CODES (the range its int8
+    values keep: the kernel's prompt panels sum them in int16 on that promise) and its float_form().
 
     `qweight` [N, K] int8 in the plain layout, `records` [N, K / 256, RECORD_BYTES] uint8; K a multiple
     of 256."""
@@ -167,6 +168,7 @@ class RecordsInt8DotWeight(_FileScales, Int8DotWeight):
     GROUP: int
     RECORD_BYTES: int
     FMT_RECORDS: int
+    CODES: tuple[int, int]
 
     def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
         out_features, in_features = qweight.shape
@@ -174,6 +176,9 @@ class RecordsInt8DotWeight(_FileScales, Int8DotWeight):
         _check_records(owner, records, out_features, in_features, self.RECORD_BYTES)
         if qweight.dtype != torch.int8:
             raise ValueError(f"{owner}: codes must be int8, got {qweight.dtype}")
+        low, high = self.CODES
+        if qweight.numel() and (int(qweight.min()) < low or int(qweight.max()) > high):
+            raise ValueError(f"{owner}: codes must lie in {low}..{high}")
         PackedWeight.__init__(self)
         check_dynamic_group(self.method, self.GROUP, in_features)
         if interleave is None:
@@ -214,6 +219,7 @@ class Q6ScaledInt8DotWeight(RecordsInt8DotWeight):
     """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales."""
 
     GROUP, RECORD_BYTES, FMT_RECORDS = Q6_GROUP, Q6_RECORD_BYTES, FMT_Q6_SCALES
+    CODES = (-32, 31)  # the file's 6-bit codes minus 32
 
     def float_form(self) -> Int8DotWeight:
         """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""

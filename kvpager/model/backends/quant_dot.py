@@ -40,8 +40,9 @@ ACTIVATION_BLOCK = 32
 # exact kernels have AVX-512 but the integer dot only AVX2 (no VNNI: twice the float lanes against it),
 # the integer kernel gains only where dequantizing dominates: a few rows.
 DOT_KERNEL_MAX_ROWS = 4
-# Where the exact kernels run AVX2 too, the integer dot stays faster up to these decode batches
-# (measured on AMD Zen 1: BENCHMARKS.md); int8's sign handling makes it fall behind sooner than int4.
+# Where the exact kernels run AVX2 too, on Intel CPUs (GEMM_PROMPT_VENDORS) the integer dot stays faster up
+# to these decode batches (measured on AMD Zen 1, before the panels: BENCHMARKS.md); int8's sign handling
+# makes it fall behind sooner than int4. Elsewhere every batch stays on the dot (dot_kernel_max_rows).
 DOT_KERNEL_MAX_ROWS_AVX2 = {"int8": 16, "int4": 32}
 # Where the integer dot has AVX-512 VNNI (vpdpbusd; group 32 two blocks per 512-bit vector), it is
 # faster than the exact kernel's L1 tile at every decode batch. Over KERNEL_MAX_ROWS rows the exact path
@@ -101,10 +102,12 @@ def dot_kernel_max_rows(
         return KERNEL_MAX_ROWS if vendor in GEMM_PROMPT_VENDORS else None
     if exact_level != LEVEL_AVX2:
         return DOT_KERNEL_MAX_ROWS
-    if weight_format == "int4" and vendor not in GEMM_PROMPT_VENDORS:
+    if vendor not in GEMM_PROMPT_VENDORS:
         # off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS), batches of kvq_dot_panel_rows (32)
-        # rows or more take the integer dot's 8-row panels (kernels/quant_dot_gemm.inc), 1.3-1.5x the exact
-        # path at 1024 rows on AMD Zen 2 (BENCHMARKS.md): every batch stays on the dot
+        # rows or more take the integer dot's 8-row panels (kernels/quant_dot_gemm.inc), ahead of the exact
+        # path on AMD Zen 2 (BENCHMARKS.md: int4 1.3-1.5x at 1024 rows; int8 1.07x for Q8_0's full-range
+        # values, 1.35-1.6x for Q6_K's and Q5_K's narrower ones at 512; the one-row int8 tiles 1.1-1.5x at
+        # 17-31 rows): every batch stays on the dot
         return None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format]
 

@@ -85,7 +85,7 @@ class QuantKernels:
     dot_linear: Any  # kvq_dot_linear: integer dot products (w8a8_int8 / w4a8_int8)
     dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX512: AVX-512 VNNI)
     dequant_bf16: Any  # kvq_dequant_bf16: dequantized rows rounded to bfloat16 (the bf16 GEMM's operand)
-    dot_panel_rows: Any  # kvq_dot_panel_rows(cap): int4 batches from this many rows take 8-row panels (0: none)
+    dot_panel_rows: Any  # kvq_dot_panel_rows(cap): batches from this many rows take 8-row panels (0: none)
 
     @property
     def default_level(self) -> int:
@@ -112,7 +112,7 @@ class QuantKernels:
             why = f"{ISA_ENV}=portable" if best > LEVEL_PORTABLE else "this CPU has no AVX2"
         name = "AVX-512 VNNI" if chosen == LEVEL_AVX512 else LEVEL_NAMES[chosen]
         panels = int(self.dot_panel_rows(self.default_level))
-        batches = f"; int4 batches of {panels}+ rows: 8 output rows per vector" if panels else ""
+        batches = f"; batches of {panels}+ rows: 8 output rows per vector" if panels else ""
         return (
             f"{name} integer-dot kernel ({how}; {why}{batches}): activations quantized to int8 per "
             "block of 32 per call, float32 accumulation across blocks (not exact)"

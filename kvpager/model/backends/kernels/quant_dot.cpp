@@ -18,8 +18,8 @@
 // (std::fma in the portable build: one rounding, as vfmadd) in the same order, so all give the same bits,
 // except the VNNI build's group-32 weights, whose blocks go in 512-bit pairs (quant_dot_pairs.inc:
 // another order). int4 blocks go in 256-bit pairs in the other builds (tile_i4_pairs) and, at groups of
-// an even number of blocks, in all three (tile_i4_group_pairs). In the AVX2 and portable builds, int4
-// batches of kGemmMinRows rows or more take 8-row panels instead (quant_dot_gemm.inc: another order again).
+// an even number of blocks, in all three (tile_i4_group_pairs). In the AVX2 and portable builds, batches
+// of kGemmMinRows rows or more take 8-row panels instead (quant_dot_gemm.inc: another order again).
 
 #include <omp.h>
 
@@ -147,7 +147,7 @@ extern "C" {
 // The path kvq_dot_linear takes for a cap of max_level (quant.cpp's numbering): 2 VNNI, 1 AVX2, 0 portable.
 int64_t kvq_dot_level(int64_t max_level) { return dot_level_for(max_level); }
 
-// The fewest input rows an int4 weight's batch needs to take the panel tile (quant_dot_gemm.inc) on the
+// The fewest input rows a batch needs to take the panel tiles (quant_dot_gemm.inc: int8 and int4) on the
 // path a cap of max_level gives; 0 where that path has none (the VNNI build: its block pairs take every batch).
 int64_t kvq_dot_panel_rows(int64_t max_level) {
   return dot_level_for(max_level) == kLevelVnni ? 0 : portable::kGemmMinRows;

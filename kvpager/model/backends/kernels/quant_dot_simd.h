@@ -39,6 +39,10 @@ inline int int4_natural(int p) {
   return kBase[p / 8] + p % 8;
 }
 
+// The value range an int8 panel's weights keep (panel_block_i8): any int8, |w| <= 32 (GGUF Q6_K: -32..31),
+// or codes 0..31 (GGUF Q5_K).
+constexpr int kI8Full = 0, kI8Small = 1, kI8Codes = 2;
+
 struct Portable {
   struct V {
     float v[8];
@@ -229,6 +233,34 @@ struct Portable {
         for (int g = 0; g < 8; ++g)
           for (int e = 0; e < 4; ++e) t += static_cast<int32_t>(wb[32 * g + 4 * c + e]) * x[r][4 * g + e];
         acc[r].v[c] = std::fma(static_cast<float>(t) * d[r], s.v[c], acc[r].v[c]);
+      }
+  }
+  // An int8 panel's values for one whole block of 8 rows (quant_dot_gemm.inc): row[c] holds row c's 32
+  // values; dst gets 256 bytes, [group g of 4 positions][row c][4]: positions 4g..4g+3 of row c.
+  static void pack_values8(const int8_t* const (&row)[8], int8_t* dst) {
+    for (int g = 0; g < 8; ++g)
+      for (int c = 0; c < 8; ++c)
+        for (int e = 0; e < 4; ++e) dst[32 * g + 4 * c + e] = row[c][4 * g + e];
+  }
+  // One block of an int8 panel for R input rows: lane c of acc[r] += idot(column c's block, row r's
+  // block) * (d[r] * s[c]), one rounding in the factor and one in the multiply-add (the one-row int8
+  // tiles' step). kHalf (group 16): the block's halves, positions 0..15 and 16..31, each with its own
+  // factor (s[c] and s[8 + c]), low half first. kRange (kI8Full, kI8Small: values within -32..32,
+  // kI8Codes: 0..31) only changes how the AVX2 build sums; the integer dots are exact either way.
+  template <int R, bool kHalf, int kRange>
+  static void panel_block_i8(const int8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], const float* s,
+                             V (&acc)[R]) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 8; ++c) {
+        int32_t t[2] = {0, 0};
+        for (int g = 0; g < 8; ++g)
+          for (int e = 0; e < 4; ++e) t[g / 4] += static_cast<int32_t>(wb[32 * g + 4 * c + e]) * x[r][4 * g + e];
+        if constexpr (kHalf) {
+          acc[r].v[c] = std::fma(static_cast<float>(t[0]), d[r] * s[c], acc[r].v[c]);
+          acc[r].v[c] = std::fma(static_cast<float>(t[1]), d[r] * s[8 + c], acc[r].v[c]);
+        } else {
+          acc[r].v[c] = std::fma(static_cast<float>(t[0] + t[1]), d[r] * s[c], acc[r].v[c]);
+        }
       }
   }
   // Quantizes x[0..n) (n <= 32; the rest of the block is zero) into q (32 bytes); returns d.
@@ -434,6 +466,73 @@ struct Avx2 {
       const __m256i pair = _mm256_madd_epi16(t[r], _mm256_set1_epi16(1));
       const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(pair), _mm256_set1_ps(d[r]));
       acc[r] = _mm256_fmadd_ps(f, s, acc[r]);
+    }
+  }
+  // Portable::pack_values8 as an 8 x 8 transpose of 4-byte words.
+  static void pack_values8(const int8_t* const (&row)[8], int8_t* dst) {
+    __m256i v[8];
+    for (int c = 0; c < 8; ++c) v[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[c]));
+    __m256i t[8], u[8];
+    for (int c = 0; c < 8; c += 2) {
+      t[c] = _mm256_unpacklo_epi32(v[c], v[c + 1]);      // words 0 1 (4 5) of rows c, c + 1, interleaved
+      t[c + 1] = _mm256_unpackhi_epi32(v[c], v[c + 1]);  // words 2 3 (6 7)
+    }
+    for (int c = 0; c < 8; c += 4)
+      for (int h = 0; h < 2; ++h) {
+        u[c + 2 * h] = _mm256_unpacklo_epi64(t[c + h], t[c + 2 + h]);      // word 2h (2h + 4) of rows c..c+3
+        u[c + 2 * h + 1] = _mm256_unpackhi_epi64(t[c + h], t[c + 2 + h]);  // word 2h + 1 (2h + 5)
+      }
+    for (int g = 0; g < 4; ++g) {  // u[g]: rows 0..3, words g and g + 4; u[4 + g]: rows 4..7
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * g), _mm256_permute2x128_si256(u[g], u[4 + g], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (g + 4)),
+                          _mm256_permute2x128_si256(u[g], u[4 + g], 0x31));
+    }
+  }
+  // Portable::panel_block_i8: each 32-bit lane of a group's load is one column's 4 values; |w| times
+  // row r's 4 activations broadcast with w's signs (vpmaddubsw: a pair sum is at most 2 * 128 * 127, so
+  // it fits int16 once), each group's pair sums widened to int32 (vpmaddwd) and added. kI8Small (|w| <=
+  // 32): a half block's 4 groups add up in int16 first (4 * 2 * 32 * 127 fits), one vpmaddwd per half;
+  // kI8Codes (0..31) the same without the sign trick (the values are the unsigned operand as they are).
+  template <int R, bool kHalf, int kRange>
+  static void panel_block_i8(const int8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], const float* s,
+                             V (&acc)[R]) {
+    constexpr int H = kHalf ? 2 : 1;
+    constexpr bool kSmall = kRange != kI8Full;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i t[R][H];
+    for (int h = 0; h < 2; ++h) {
+      __m256i t16[R];
+      for (int g = 4 * h; g < 4 * h + 4; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
+        const __m256i aw = kRange == kI8Codes ? w : _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, x[r] + 4 * g, sizeof four);
+          const __m256i xr = _mm256_set1_epi32(four);
+          const __m256i p = _mm256_maddubs_epi16(aw, kRange == kI8Codes ? xr : _mm256_sign_epi8(xr, w));
+          if constexpr (kSmall) {
+            t16[r] = g == 4 * h ? p : _mm256_add_epi16(t16[r], p);
+            __asm__("" : "+x"(t16[r]));  // one running sum per row (as panel_block)
+          } else {
+            const __m256i q = _mm256_madd_epi16(p, ones);
+            __m256i& dst = t[r][kHalf ? h : 0];
+            dst = g == 4 * h && (kHalf || h == 0) ? q : _mm256_add_epi32(dst, q);
+            __asm__("" : "+x"(dst));
+          }
+        }
+      }
+      if constexpr (kSmall)
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_madd_epi16(t16[r], ones);
+          t[r][kHalf ? h : 0] = kHalf || h == 0 ? q : _mm256_add_epi32(t[r][0], q);
+        }
+    }
+    const __m256 s0 = _mm256_loadu_ps(s);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dr = _mm256_set1_ps(d[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][0]), _mm256_mul_ps(dr, s0), acc[r]);
+      if constexpr (kHalf)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][1]), _mm256_mul_ps(dr, _mm256_loadu_ps(s + 8)), acc[r]);
     }
   }
   static float quantize_block(const float* x, int n, int8_t* q, bool int4_order) {

@@ -1,0 +1,188 @@
+"""int8 batches of many rows through the integer dot's 8-row panels (kernels/quant_dot_gemm.inc).
+
+From `kvq_dot_panel_rows` rows on, the AVX2 and portable builds copy each group of 8 output rows' int8
+values once per call into a buffer whose vector lanes are the 8 rows. Held to the reference the one-row
+tiles meet (the quantized activations times the dequantized weight, float32 rounding of the
+accumulation) for every int8 form: groups of one block and of several, per output channel (K not a
+multiple of 32), group 16 (GGUF Q6_K: two scales per block), float16 scales (Q8_0), per-group offsets
+(Q5_K), rows interleaved or plain, N not a multiple of 8. The AVX2 build sums Q6_K's and Q5_K's narrower
+values in int16 over half a block; the int16 bounds are pinned with the largest values each form allows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kquants import encode_q5_k, encode_q6_k
+from test_quant_dot import _assert_float32_rounding, _kernels_or_skip
+
+from kvpager.gguf.blocks import unpack_blocks
+from kvpager.model.backends.k_scales import Q6ScaledInt8DotWeight
+from kvpager.model.backends.quant_dot import Int8DotWeight, reference_matmul
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_PORTABLE, load_quant_kernels
+from kvpager.model.backends.quant_weights import PackedWeight
+from kvpager.model.gguf_packed import AffineInt8DotWeight, K5ScaledInt8DotWeight, packed_from_blocks
+
+# (N, K): N not a multiple of the panel (37, 130, 9), K a multiple of 32 but not of 64 (96, 160), a
+# model-like row (2048); the per-channel form also takes K = 200 (a last block of 8 values)
+SHAPES = [(37, 96), (64, 256), (130, 160), (24, 2048)]
+FORMS = ["g32", "g32_plain", "g32_half", "g64", "g16", "per_channel", "affine_g32"]
+
+
+def _weight(form: str, w: torch.Tensor) -> PackedWeight:
+    n, k = w.shape
+    interleave = "plain" not in form
+    if form == "per_channel":
+        base = Int8DotWeight.from_float(w, None)
+        return Int8DotWeight(base.plain_qweight(), base.scales, k, interleave=interleave)
+    group = int(form.split("_")[1 if form.startswith("affine") else 0][1:])
+    base = Int8DotWeight.from_float(w, group)
+    if form.startswith("affine"):
+        offsets = torch.randn(base.scales.shape, generator=torch.Generator().manual_seed(n + k)) * 0.01
+        return AffineInt8DotWeight(base.plain_qweight(), base.scales, offsets, group, interleave=interleave)
+    scales = base.scales.half() if "half" in form else base.scales
+    return Int8DotWeight(base.plain_qweight(), scales, group, interleave=interleave)
+
+
+def _panel_rows() -> int:
+    rows = int(load_quant_kernels().dot_panel_rows(LEVEL_AVX2))
+    assert rows > 1
+    return rows
+
+
+def _records(kind: str, n: int, k: int, seed: int) -> PackedWeight:
+    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    encode = encode_q6_k if kind == "Q6_K" else encode_q5_k
+    return packed_from_blocks(unpack_blocks(kind, encode(values)[0], (n, k)), kind, int8_activations=True)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_panels_equal_the_quantized_activation_reference_to_float32_rounding(form: str, shape: tuple[int, int]) -> None:
+    _kernels_or_skip()
+    first = _panel_rows()
+    gen = torch.Generator().manual_seed(FORMS.index(form) * 10 + SHAPES.index(shape))
+    n, k = shape
+    weight = _weight(form, torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen)
+    for rows in (first, first + 1, first + 7, 2 * first + 3):  # whole passes of 4 rows and every remainder
+        x = torch.randn(rows, k, generator=gen)
+        x[1, :32] = 0.0  # an all-zero block (d = 0)
+        for level in (None, LEVEL_PORTABLE):
+            weight.max_level = level
+            _assert_float32_rounding(weight.dot_kernel(x, bias), x, weight, bias)
+            _assert_float32_rounding(weight.dot_kernel(x), x, weight, None)
+
+
+def test_per_channel_panels_read_no_further_than_a_short_last_block() -> None:
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    weight = _weight("per_channel", torch.randn(9, 200, generator=gen))  # plain rows of 200 values
+    assert not weight.interleaved
+    x = torch.randn(_panel_rows() + 2, 200, generator=gen)
+    for level in (None, LEVEL_PORTABLE):
+        weight.max_level = level
+        _assert_float32_rounding(weight.dot_kernel(x), x, weight, None)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+@pytest.mark.parametrize(("n", "k"), [(42, 768), (9, 256)])
+def test_records_panels_equal_the_reference(kind: str, n: int, k: int) -> None:
+    _kernels_or_skip()
+    weight = _records(kind, n, k, seed=n)
+    gen = torch.Generator().manual_seed(2)
+    for rows in (_panel_rows(), _panel_rows() + 5):
+        x = torch.randn(rows, k, generator=gen)
+        for level in (None, LEVEL_PORTABLE):
+            weight.max_level = level
+            ref = reference_matmul(weight, x)
+            assert torch.allclose(weight.dot_kernel(x).double(), ref, rtol=1e-5, atol=1e-5), (kind, rows, level)
+
+
+def _extreme_case(kind: str) -> tuple[PackedWeight, torch.Tensor]:
+    """Weights at the largest magnitude the form allows, all of one sign per row, times activations at
+    +-127 everywhere: every int16 sum the AVX2 panels keep is at its bound."""
+    k, n = 512, 16
+    gen = torch.Generator().manual_seed(9)
+    sign = torch.where(torch.rand(n, 1, generator=gen) < 0.5, -1, 1)
+    if kind == "full":
+        values = torch.where(sign < 0, -128, 127).expand(n, k).to(torch.int8)
+        weight: PackedWeight = Int8DotWeight(values.contiguous(), torch.full((n, k // 32), 0.01), 32)
+    else:
+        base = _records(kind, n, k, seed=3)
+        low, high = base.CODES
+        values = torch.where(sign < 0, low, high).expand(n, k).to(torch.int8).contiguous()
+        cls = Q6ScaledInt8DotWeight if kind == "Q6_K" else K5ScaledInt8DotWeight
+        weight = cls(values, base.records)
+    x = torch.where(torch.rand(_panel_rows() + 3, 1, generator=gen) < 0.5, -1.0, 1.0).expand(-1, k).contiguous()
+    return weight, x
+
+
+@pytest.mark.parametrize("kind", ["full", "Q6_K", "Q5_K"])
+def test_the_largest_values_each_form_allows_do_not_overflow_the_int16_sums(kind: str) -> None:
+    _kernels_or_skip()
+    weight, x = _extreme_case(kind)
+    for level in (None, LEVEL_PORTABLE):
+        weight.max_level = level
+        ref = reference_matmul(weight, x)
+        assert torch.allclose(weight.dot_kernel(x).double(), ref, rtol=1e-5, atol=1e-3), (kind, level)
+
+
+@pytest.mark.parametrize("form", [*FORMS, "Q6_K", "Q5_K"])
+def test_portable_and_avx2_panels_agree_bit_for_bit(form: str) -> None:
+    _kernels_or_skip()
+    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
+        pytest.skip("this CPU has no AVX2: only the portable panels run (held to the reference above)")
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(37, 256), (64, 512), (24, 2048)]:
+        if form in ("Q6_K", "Q5_K"):
+            weight = _records(form, n, k, seed=n)
+        else:
+            weight = _weight(form, torch.randn(n, k, generator=gen))
+        x = torch.randn(_panel_rows() + 3, k, generator=gen) * 3
+        weight.max_level = LEVEL_PORTABLE
+        portable = weight.dot_kernel(x)
+        weight.max_level = LEVEL_AVX2
+        assert torch.equal(weight.dot_kernel(x), portable), (form, n, k)
+
+
+@pytest.mark.parametrize("level", [LEVEL_AVX2, LEVEL_PORTABLE])
+def test_a_rows_panel_bits_do_not_depend_on_the_other_rows_of_the_batch(level: int) -> None:
+    _kernels_or_skip()
+    first = _panel_rows()
+    gen = torch.Generator().manual_seed(17)
+    weight = _weight("g16", torch.randn(37, 256, generator=gen) * 0.05)
+    weight.max_level = level
+    x = torch.randn(2 * first + 3, 256, generator=gen)
+    whole = weight.dot_kernel(x)
+    for rows in (first, first + 1, first + 2, first + 3, first + 5):
+        assert torch.equal(weight.dot_kernel(x[:rows]), whole[:rows]), rows
+    order = torch.randperm(x.shape[0], generator=gen)
+    assert torch.equal(weight.dot_kernel(x[order]), whole[order])
+
+
+def test_int8_panels_start_at_the_kernels_row_count() -> None:
+    _kernels_or_skip()
+    gen = torch.Generator().manual_seed(4)
+    weight = _weight("g32", torch.randn(16, 256, generator=gen))
+    weight.max_level = LEVEL_AVX2
+    first = _panel_rows()
+    x = torch.randn(first, 256, generator=gen)
+    below, at = weight.dot_kernel(x[: first - 1]), weight.dot_kernel(x)
+    # one order below the panels (the one-row tiles), another from them on: the same rows differ by rounding
+    assert not torch.equal(below, at[: first - 1])
+    assert torch.allclose(below, at[: first - 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_records_forms_refuse_values_outside_their_codes(kind: str) -> None:
+    # the AVX2 panels sum these forms in int16 on the promise of their range: a wider value is refused
+    base = _records(kind, 4, 256, seed=1)
+    cls = Q6ScaledInt8DotWeight if kind == "Q6_K" else K5ScaledInt8DotWeight
+    low, high = base.CODES
+    for bad in (low - 1, high + 1):
+        values = base.plain_qweight().clone()
+        values[2, 7] = bad
+        with pytest.raises(ValueError, match=f"codes must lie in {low}..{high}"):
+            cls(values, base.records)
