@@ -13,6 +13,7 @@ import torch
 from kvpager.bench.allocators import FirstFitAllocator, PagedAllocator, SlotAllocator
 from kvpager.bench.dummy_models import make_dummy_model_dir
 from kvpager.bench.memory import make_allocators, make_trace, simulate
+from kvpager.bench.report import machine_info, machine_line, read_cpu_id
 from kvpager.cli.bench import main as bench_main
 
 torch.set_num_threads(1)
@@ -220,3 +221,18 @@ def test_throughput_bench_runs_tensor_parallel(capsys, tiny_model):
     w = r["workload"]
     assert (w["tensor_parallel_size"], w["kernel_ops"]) == (2, "torch")  # TP runs torch's ops
     assert r["batched"]["output_tokens"] == 2 * 3 and r["sequential"]["output_tokens"] == 3
+
+
+def test_a_result_names_the_cpus_family_model_and_kernel_flags(tmp_path: Path) -> None:
+    # "AMD EPYC" alone spans Zen 1 to Zen 5: a record says which CPU and which kernel paths it had
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\n"
+        "flags\t\t: fpu sse2 avx fma f16c avx2 sha_ni\n\nprocessor\t: 1\ncpu family\t: 99\nflags\t\t: avx512f\n"
+    )
+    ident = read_cpu_id(cpuinfo)
+    assert ident == {"cpu_family_model": "23/49", "cpu_flags": ["avx2", "fma", "f16c"]}
+    assert read_cpu_id(tmp_path / "missing") == {}
+    info = {"cpu": "AMD EPYC", **ident, "cores": 2, "torch": "2.13.0", "threads": 2, "python": "3.11"}
+    assert machine_line(info).startswith("AMD EPYC (family/model 23/49; avx2 fma f16c), 2 cores")
+    assert set(machine_info()) >= {"cpu", "cores", "torch", "threads"}

@@ -102,6 +102,7 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu": cpu_model(),
+        **read_cpu_id(Path("/proc/cpuinfo")),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -112,9 +113,12 @@ def machine_info() -> dict[str, Any]:
 
 def machine_line(info: dict[str, Any]) -> str:
     cuda = f", CUDA {info['cuda']}" if info.get("cuda") else ""
+    ident = [f"family/model {info['cpu_family_model']}"] if info.get("cpu_family_model") else []
+    if "cpu_flags" in info:
+        ident.append(" ".join(info["cpu_flags"]) or "none of " + " ".join(KERNEL_FLAGS))
+    cpu = f"{info['cpu']} ({'; '.join(ident)})" if ident else info["cpu"]
     return (
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-        f"{info['threads']} threads, Python {info['python']}{cuda}"
+        f"{cpu}, {info['cores']} cores, torch {info['torch']}, {info['threads']} threads, Python {info['python']}{cuda}"
     )
 
 
@@ -127,6 +131,32 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+# The instruction-set flags the kernels choose their paths by (a record names which of them the CPU had).
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def read_cpu_id(cpuinfo: Path) -> dict[str, Any]:
+    """From a /proc/cpuinfo: the CPU's family / model numbers (one model name spans several generations,
+    AMD EPYC among them) and which of KERNEL_FLAGS it has; empty where the file does not say."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's entry is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    out: dict[str, Any] = {}
+    if "cpu family" in fields and "model" in fields:
+        out["cpu_family_model"] = f"{fields['cpu family']}/{fields['model']}"
+    if "flags" in fields:
+        have = set(fields["flags"].split())
+        out["cpu_flags"] = [f for f in KERNEL_FLAGS if f in have]
+    return out
 
 
 def command_line(sub: str, argv: Sequence[str]) -> str:
