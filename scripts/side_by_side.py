@@ -139,6 +139,12 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     args.tokenizer = loadgen_tokenizer(args.tokenizer, Path(args.log_dir))
+    from kvpager.bench.report import machine_info
+
+    # the run's first record: the machine (CPU model, family/model, kernel flags) and each engine's command
+    with open(args.json_out, "a") as f:
+        engines = {e.name: e.command for e in args.engine}
+        f.write(json.dumps({"label": "machine", "machine": machine_info(), "engines": engines}) + "\n")
 
     procs: dict[str, subprocess.Popen[bytes]] = {}
     pids: dict[str, int] = {}
