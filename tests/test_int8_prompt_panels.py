@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 from kquants import encode_q5_k, encode_q6_k
+from panel_checks import assert_panels_meet_the_reference, assert_portable_gives_the_avx2_bits, panel_rows
 from test_quant_dot import _assert_float32_rounding, _kernels_or_skip
 
 from kvpager.gguf.blocks import unpack_blocks
 from kvpager.model.backends.k_scales import Q6ScaledInt8DotWeight
 from kvpager.model.backends.quant_dot import Int8DotWeight, reference_matmul
-from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_PORTABLE, load_quant_kernels
+from kvpager.model.backends.quant_kernels import LEVEL_PORTABLE
 from kvpager.model.backends.quant_weights import PackedWeight
 from kvpager.model.gguf_packed import AffineInt8DotWeight, K5ScaledInt8DotWeight, packed_from_blocks
 
@@ -45,12 +46,6 @@ def _weight(form: str, w: torch.Tensor) -> PackedWeight:
     return Int8DotWeight(base.plain_qweight(), scales, group, interleave=interleave)
 
 
-def _panel_rows() -> int:
-    rows = int(load_quant_kernels().dot_panel_rows(LEVEL_AVX2))
-    assert rows > 1
-    return rows
-
-
 def _records(kind: str, n: int, k: int, seed: int) -> PackedWeight:
     values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
     encode = encode_q6_k if kind == "Q6_K" else encode_q5_k
@@ -61,18 +56,9 @@ def _records(kind: str, n: int, k: int, seed: int) -> PackedWeight:
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_panels_equal_the_quantized_activation_reference_to_float32_rounding(form: str, shape: tuple[int, int]) -> None:
     _kernels_or_skip()
-    first = _panel_rows()
     gen = torch.Generator().manual_seed(FORMS.index(form) * 10 + SHAPES.index(shape))
     n, k = shape
-    weight = _weight(form, torch.randn(n, k, generator=gen) * 0.05)
-    bias = torch.randn(n, generator=gen)
-    for rows in (first, first + 1, first + 7, 2 * first + 3):  # whole passes of 4 rows and every remainder
-        x = torch.randn(rows, k, generator=gen)
-        x[1, :32] = 0.0  # an all-zero block (d = 0)
-        for level in (None, LEVEL_PORTABLE):
-            weight.max_level = level
-            _assert_float32_rounding(weight.dot_kernel(x, bias), x, weight, bias)
-            _assert_float32_rounding(weight.dot_kernel(x), x, weight, None)
+    assert_panels_meet_the_reference(_weight(form, torch.randn(n, k, generator=gen) * 0.05), gen)
 
 
 def test_per_channel_panels_read_no_further_than_a_short_last_block() -> None:
@@ -80,7 +66,7 @@ def test_per_channel_panels_read_no_further_than_a_short_last_block() -> None:
     gen = torch.Generator().manual_seed(5)
     weight = _weight("per_channel", torch.randn(9, 200, generator=gen))  # plain rows of 200 values
     assert not weight.interleaved
-    x = torch.randn(_panel_rows() + 2, 200, generator=gen)
+    x = torch.randn(panel_rows() + 2, 200, generator=gen)
     for level in (None, LEVEL_PORTABLE):
         weight.max_level = level
         _assert_float32_rounding(weight.dot_kernel(x), x, weight, None)
@@ -92,7 +78,7 @@ def test_records_panels_equal_the_reference(kind: str, n: int, k: int) -> None:
     _kernels_or_skip()
     weight = _records(kind, n, k, seed=n)
     gen = torch.Generator().manual_seed(2)
-    for rows in (_panel_rows(), _panel_rows() + 5):
+    for rows in (panel_rows(), panel_rows() + 5):
         x = torch.randn(rows, k, generator=gen)
         for level in (None, LEVEL_PORTABLE):
             weight.max_level = level
@@ -115,7 +101,7 @@ def _extreme_case(kind: str) -> tuple[PackedWeight, torch.Tensor]:
         values = torch.where(sign < 0, low, high).expand(n, k).to(torch.int8).contiguous()
         cls = Q6ScaledInt8DotWeight if kind == "Q6_K" else K5ScaledInt8DotWeight
         weight = cls(values, base.records)
-    x = torch.where(torch.rand(_panel_rows() + 3, 1, generator=gen) < 0.5, -1.0, 1.0).expand(-1, k).contiguous()
+    x = torch.where(torch.rand(panel_rows() + 3, 1, generator=gen) < 0.5, -1.0, 1.0).expand(-1, k).contiguous()
     return weight, x
 
 
@@ -132,47 +118,11 @@ def test_the_largest_values_each_form_allows_do_not_overflow_the_int16_sums(kind
 @pytest.mark.parametrize("form", [*FORMS, "Q6_K", "Q5_K"])
 def test_portable_and_avx2_panels_agree_bit_for_bit(form: str) -> None:
     _kernels_or_skip()
-    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
-        pytest.skip("this CPU has no AVX2: only the portable panels run (held to the reference above)")
     gen = torch.Generator().manual_seed(3)
     for n, k in [(37, 256), (64, 512), (24, 2048)]:
-        if form in ("Q6_K", "Q5_K"):
-            weight = _records(form, n, k, seed=n)
-        else:
-            weight = _weight(form, torch.randn(n, k, generator=gen))
-        x = torch.randn(_panel_rows() + 3, k, generator=gen) * 3
-        weight.max_level = LEVEL_PORTABLE
-        portable = weight.dot_kernel(x)
-        weight.max_level = LEVEL_AVX2
-        assert torch.equal(weight.dot_kernel(x), portable), (form, n, k)
-
-
-@pytest.mark.parametrize("level", [LEVEL_AVX2, LEVEL_PORTABLE])
-def test_a_rows_panel_bits_do_not_depend_on_the_other_rows_of_the_batch(level: int) -> None:
-    _kernels_or_skip()
-    first = _panel_rows()
-    gen = torch.Generator().manual_seed(17)
-    weight = _weight("g16", torch.randn(37, 256, generator=gen) * 0.05)
-    weight.max_level = level
-    x = torch.randn(2 * first + 3, 256, generator=gen)
-    whole = weight.dot_kernel(x)
-    for rows in (first, first + 1, first + 2, first + 3, first + 5):
-        assert torch.equal(weight.dot_kernel(x[:rows]), whole[:rows]), rows
-    order = torch.randperm(x.shape[0], generator=gen)
-    assert torch.equal(weight.dot_kernel(x[order]), whole[order])
-
-
-def test_int8_panels_start_at_the_kernels_row_count() -> None:
-    _kernels_or_skip()
-    gen = torch.Generator().manual_seed(4)
-    weight = _weight("g32", torch.randn(16, 256, generator=gen))
-    weight.max_level = LEVEL_AVX2
-    first = _panel_rows()
-    x = torch.randn(first, 256, generator=gen)
-    below, at = weight.dot_kernel(x[: first - 1]), weight.dot_kernel(x)
-    # one order below the panels (the one-row tiles), another from them on: the same rows differ by rounding
-    assert not torch.equal(below, at[: first - 1])
-    assert torch.allclose(below, at[: first - 1], rtol=1e-5, atol=1e-5)
+        records = form in ("Q6_K", "Q5_K")
+        weight = _records(form, n, k, seed=n) if records else _weight(form, torch.randn(n, k, generator=gen))
+        assert_portable_gives_the_avx2_bits(weight, gen)
 
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
