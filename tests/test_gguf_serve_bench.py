@@ -37,7 +37,7 @@ def test_serve_logs_each_types_executed_form_and_bench_serve_drives_it(
     assert "GGUF weights Q5_K: 1 tensor(s) dequantized to bfloat16 at load (embedding)" in log
     assert "GGUF weights F32: 5 tensor(s) as float32" in log
     if quant_kernels_or_none() is not None:
-        assert "GGUF weights Q5_K: 12 tensor(s) executed as int8 g32 + per-group offset" in log
+        assert "GGUF weights Q5_K: 12 tensor(s) executed as int4 g32 + a fifth-bit plane" in log
         assert "GGUF weights Q6_K: 3 tensor(s) executed as int8 g16" in log
 
 

@@ -5,8 +5,9 @@ values once per call into a buffer whose vector lanes are the 8 rows. Held to th
 tiles meet (the quantized activations times the dequantized weight, float32 rounding of the
 accumulation) for every int8 form: groups of one block and of several, per output channel (K not a
 multiple of 32), group 16 (GGUF Q6_K: two scales per block), float16 scales (Q8_0), per-group offsets
-(Q5_K), rows interleaved or plain, N not a multiple of 8. The AVX2 build sums Q6_K's and Q5_K's narrower
-values in int16 over half a block; the int16 bounds are pinned with the largest values each form allows.
+(the exact form of Q5_K), rows interleaved or plain, N not a multiple of 8. The AVX2 build sums Q6_K's
+narrower values in int16 over half a block; the int16 bounds are pinned with the largest values each form
+allows. (Q5_K's packed codes take the int4 panels: test_q5_k_int8_activations.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kquants import encode_q5_k, encode_q6_k
+from kquants import encode_q6_k
 from panel_checks import assert_panels_meet_the_reference, assert_portable_gives_the_avx2_bits, panel_rows
 from test_quant_dot import _assert_float32_rounding, _kernels_or_skip
 
@@ -23,7 +24,7 @@ from kvpager.model.backends.k_scales import Q6ScaledInt8DotWeight
 from kvpager.model.backends.quant_dot import Int8DotWeight, reference_matmul
 from kvpager.model.backends.quant_kernels import LEVEL_PORTABLE
 from kvpager.model.backends.quant_weights import PackedWeight
-from kvpager.model.gguf_packed import AffineInt8DotWeight, K5ScaledInt8DotWeight, packed_from_blocks
+from kvpager.model.gguf_packed import AffineInt8DotWeight, packed_from_blocks
 
 # (N, K): N not a multiple of the panel (37, 130, 9), K a multiple of 32 but not of 64 (96, 160), a
 # model-like row (2048); the per-channel form also takes K = 200 (a last block of 8 values)
@@ -46,10 +47,11 @@ def _weight(form: str, w: torch.Tensor) -> PackedWeight:
     return Int8DotWeight(base.plain_qweight(), scales, group, interleave=interleave)
 
 
-def _records(kind: str, n: int, k: int, seed: int) -> PackedWeight:
+def _q6_k(n: int, k: int, seed: int) -> Q6ScaledInt8DotWeight:
     values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    encode = encode_q6_k if kind == "Q6_K" else encode_q5_k
-    return packed_from_blocks(unpack_blocks(kind, encode(values)[0], (n, k)), kind, int8_activations=True)
+    weight = packed_from_blocks(unpack_blocks("Q6_K", encode_q6_k(values)[0], (n, k)), "Q6_K", int8_activations=True)
+    assert isinstance(weight, Q6ScaledInt8DotWeight)
+    return weight
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -72,18 +74,17 @@ def test_per_channel_panels_read_no_further_than_a_short_last_block() -> None:
         _assert_float32_rounding(weight.dot_kernel(x), x, weight, None)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
 @pytest.mark.parametrize(("n", "k"), [(42, 768), (9, 256)])
-def test_records_panels_equal_the_reference(kind: str, n: int, k: int) -> None:
+def test_q6_k_records_panels_equal_the_reference(n: int, k: int) -> None:
     _kernels_or_skip()
-    weight = _records(kind, n, k, seed=n)
+    weight = _q6_k(n, k, seed=n)
     gen = torch.Generator().manual_seed(2)
     for rows in (panel_rows(), panel_rows() + 5):
         x = torch.randn(rows, k, generator=gen)
         for level in (None, LEVEL_PORTABLE):
             weight.max_level = level
             ref = reference_matmul(weight, x)
-            assert torch.allclose(weight.dot_kernel(x).double(), ref, rtol=1e-5, atol=1e-5), (kind, rows, level)
+            assert torch.allclose(weight.dot_kernel(x).double(), ref, rtol=1e-5, atol=1e-5), (rows, level)
 
 
 def _extreme_case(kind: str) -> tuple[PackedWeight, torch.Tensor]:
@@ -96,16 +97,15 @@ def _extreme_case(kind: str) -> tuple[PackedWeight, torch.Tensor]:
         values = torch.where(sign < 0, -128, 127).expand(n, k).to(torch.int8)
         weight: PackedWeight = Int8DotWeight(values.contiguous(), torch.full((n, k // 32), 0.01), 32)
     else:
-        base = _records(kind, n, k, seed=3)
+        base = _q6_k(n, k, seed=3)
         low, high = base.CODES
         values = torch.where(sign < 0, low, high).expand(n, k).to(torch.int8).contiguous()
-        cls = Q6ScaledInt8DotWeight if kind == "Q6_K" else K5ScaledInt8DotWeight
-        weight = cls(values, base.records)
+        weight = Q6ScaledInt8DotWeight(values, base.records)
     x = torch.where(torch.rand(panel_rows() + 3, 1, generator=gen) < 0.5, -1.0, 1.0).expand(-1, k).contiguous()
     return weight, x
 
 
-@pytest.mark.parametrize("kind", ["full", "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["full", "Q6_K"])
 def test_the_largest_values_each_form_allows_do_not_overflow_the_int16_sums(kind: str) -> None:
     _kernels_or_skip()
     weight, x = _extreme_case(kind)
@@ -115,24 +115,21 @@ def test_the_largest_values_each_form_allows_do_not_overflow_the_int16_sums(kind
         assert torch.allclose(weight.dot_kernel(x).double(), ref, rtol=1e-5, atol=1e-3), (kind, level)
 
 
-@pytest.mark.parametrize("form", [*FORMS, "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("form", [*FORMS, "Q6_K"])
 def test_portable_and_avx2_panels_agree_bit_for_bit(form: str) -> None:
     _kernels_or_skip()
     gen = torch.Generator().manual_seed(3)
     for n, k in [(37, 256), (64, 512), (24, 2048)]:
-        records = form in ("Q6_K", "Q5_K")
-        weight = _records(form, n, k, seed=n) if records else _weight(form, torch.randn(n, k, generator=gen))
+        weight = _q6_k(n, k, seed=n) if form == "Q6_K" else _weight(form, torch.randn(n, k, generator=gen))
         assert_portable_gives_the_avx2_bits(weight, gen)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
-def test_records_forms_refuse_values_outside_their_codes(kind: str) -> None:
-    # the AVX2 panels sum these forms in int16 on the promise of their range: a wider value is refused
-    base = _records(kind, 4, 256, seed=1)
-    cls = Q6ScaledInt8DotWeight if kind == "Q6_K" else K5ScaledInt8DotWeight
+def test_q6_k_records_refuse_values_outside_their_codes() -> None:
+    # the AVX2 panels sum this form in int16 on the promise of its range: a wider value is refused
+    base = _q6_k(4, 256, seed=1)
     low, high = base.CODES
     for bad in (low - 1, high + 1):
         values = base.plain_qweight().clone()
         values[2, 7] = bad
         with pytest.raises(ValueError, match=f"codes must lie in {low}..{high}"):
-            cls(values, base.records)
+            Q6ScaledInt8DotWeight(values, base.records)

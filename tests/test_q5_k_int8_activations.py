@@ -1,13 +1,13 @@
-"""GGUF Q5_K on the integer-dot kernels (--gguf-int8-activations): K5ScaledInt8DotWeight.
+"""GGUF Q5_K on the integer-dot kernels (--gguf-int8-activations): K5PackedDotWeight.
 
-Q5_K's values are q * scale + offset per group of 32 with 5-bit codes q (0..31). The integer-dot kernel
-multiplies the int8 codes with the activations quantized per block of 32 and adds offset[n, g] times
-the group's activation sum, as for int4's asymmetric groups. The weight holds the file's super-block
-factors (Q4_K's record: float16 d, dmin, six-bit sc and m; 1.08 bytes a weight), widened by the kernel
-to exactly the float32 form's (AffineInt8DotWeight's) scales and offsets, so it gives that form's
-bits. Checked against the torch reference (the quantized activations times the dequantized weight,
-float64) on every path: the decode tiles (AVX2 and portable), the exact path larger batches take, and
-the bfloat16 reference path.
+Q5_K's values are q * scale + offset per group of 32 with 5-bit codes q (0..31). The weight holds the
+codes' low 4 bits as int4 codes, their fifth bits in a plane, and the file's super-block factors (Q4_K's
+record: float16 d, dmin, six-bit sc and m): 0.70 bytes a weight, the file's 0.69 but for the record's
+padding. The kernel's Q4_K tiles and int4 panels add 16 where a code's bit is set, multiply with the
+activations quantized per block of 32 and add offset[n, g] times the group's activation sum. Checked
+against the torch reference (the quantized activations times the dequantized weight, float64) on every
+path: the decode tiles and the prompt panels (AVX2 and portable, the same bits), the exact path and the
+bfloat16 path (both on the float32 form, AffineInt8DotWeight).
 """
 
 from __future__ import annotations
@@ -21,11 +21,20 @@ from kvpager.gguf.blocks import K_RECORD_BYTES, unpack_blocks
 from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS
 from kvpager.model.backends.k_scales import FMT_K_SCALES, expand_k_records
 from kvpager.model.backends.quant_dot import fake_quantize_activations, reference_matmul
-from kvpager.model.backends.quant_kernels import FMT_INT8, LEVEL_PORTABLE, quant_kernels_or_none
+from kvpager.model.backends.quant_kernels import (
+    FMT_INT4,
+    FMT_INT8,
+    LEVEL_AVX2,
+    LEVEL_PORTABLE,
+    load_quant_kernels,
+    quant_kernels_or_none,
+)
 from kvpager.model.gguf_packed import (
+    FMT_HI_PLANE,
+    INT4_NATURAL,
     AffineInt8DotWeight,
     AffineInt8Weight,
-    K5ScaledInt8DotWeight,
+    K5PackedDotWeight,
     packed_from_blocks,
     stack_rows,
 )
@@ -33,12 +42,12 @@ from kvpager.model.gguf_packed import (
 pytestmark = pytest.mark.skipif(quant_kernels_or_none() is None, reason="packed-weight kernels did not build here")
 
 
-def q5_k(rows: int, cols: int, seed: int) -> K5ScaledInt8DotWeight:
+def q5_k(rows: int, cols: int, seed: int) -> K5PackedDotWeight:
     values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
     weight = packed_from_blocks(
         unpack_blocks("Q5_K", encode_q5_k(values)[0], (rows, cols)), "Q5_K", int8_activations=True
     )
-    assert isinstance(weight, K5ScaledInt8DotWeight)
+    assert isinstance(weight, K5PackedDotWeight)
     return weight
 
 
@@ -53,27 +62,50 @@ def test_holds_the_files_values_in_fewer_bytes_than_the_exact_form() -> None:
     exact = packed_from_blocks(blocks, "Q5_K")
     assert isinstance(exact, AffineInt8Weight)
     assert torch.equal(weight.dequantize(), torch.from_numpy(blocks.dequantize()))
-    assert weight.nbytes == DOT_FORMS["Q5_K"].num_bytes(12, 512) == 12 * (512 + 2 * K_RECORD_BYTES)
+    # int4 codes (256 bytes a row), the plane (64), two records
+    assert weight.nbytes == DOT_FORMS["Q5_K"].num_bytes(12, 512) == 12 * (256 + 64 + 2 * K_RECORD_BYTES)
     assert exact.nbytes == PACKED_FORMS["Q5_K"].num_bytes(12, 512) > weight.nbytes
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
+def test_the_plane_holds_each_codes_fifth_bit_where_the_kernel_reads_it() -> None:
+    values = np.random.default_rng(1).standard_normal((6, 256)).astype(np.float32) * 0.05
+    blocks = unpack_blocks("Q5_K", encode_q5_k(values)[0], (6, 256))
+    codes = torch.from_numpy(blocks.codes).to(torch.uint8)
+    weight = packed_from_blocks(blocks, "Q5_K", int8_activations=True)
+    assert isinstance(weight, K5PackedDotWeight) and torch.equal(weight.codes(), codes)
+    # row 3, block 2: bit j of its 4 plane bytes is the fifth bit of stored position j
+    block = codes[3, 64:96]
+    bits = [(int(weight.plane[3, 8 + j // 8]) >> (j % 8)) & 1 for j in range(32)]
+    assert bits == [int(block[INT4_NATURAL[j]]) >> 4 for j in range(32)]
+    assert 0 < sum(bits) < 32  # both kinds of bit occur
+
+
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])
-def test_kernel_gives_the_float32_forms_bits(portable: bool, rows: int, cols: int) -> None:
-    """42 rows: 40 interleaved and 2 plain (where this CPU interleaves int8 rows); 37: a remainder of 1;
-    batches of one row, row pairs, and the prompt panels (33 rows)."""
+def test_portable_gives_the_avx2_bits(rows: int, cols: int) -> None:
+    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
+        pytest.skip("this CPU has no AVX2: only the portable build runs (held to the reference below)")
     weight = q5_k(rows, cols, seed=rows)
-    float_form = weight.float_form()
-    assert isinstance(float_form, AffineInt8DotWeight) and float_form.interleaved == weight.interleaved
-    for w in (weight, float_form):
-        w.max_level = LEVEL_PORTABLE if portable else None
     gen = torch.Generator().manual_seed(2)
-    bias = torch.randn(rows, generator=gen)
-    for m in (1, 2, 3, 16, 33):
+    for m in (1, 2, 3, 16, 33):  # one-row tiles, row pairs, the prompt panels
         x = torch.randn(m, cols, generator=gen)
-        b = bias if m % 2 else None
-        assert torch.equal(weight.dot_kernel(x, b), float_form.dot_kernel(x, b)), m
-        assert torch.equal(weight.matmul(x, b), float_form.matmul(x, b)), m
+        weight.max_level = LEVEL_PORTABLE
+        portable = weight.dot_kernel(x)
+        weight.max_level = LEVEL_AVX2
+        assert torch.equal(weight.dot_kernel(x), portable), m
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_codes_do_not_overflow_the_int16_sums(sign: float) -> None:
+    # every code 31 (the plane all ones) times activations at +-127 everywhere: each int16 sum the AVX2
+    # tiles and panels keep is at its bound
+    base = q5_k(16, 512, seed=13)
+    weight = K5PackedDotWeight.from_q5_codes(torch.full((16, 512), 31, dtype=torch.uint8), base.records)
+    x = torch.full((35, 512), sign)
+    for level in (None, LEVEL_PORTABLE):
+        weight.max_level = level
+        for m in (1, 2, 35):
+            ref = reference_matmul(weight, x[:m])
+            assert torch.allclose(weight.dot_kernel(x[:m]).double(), ref, rtol=1e-5, atol=1e-3), (level, m)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["best", "portable"])
@@ -116,9 +148,10 @@ def test_exact_and_bf16_paths_match_the_reference() -> None:
 def test_fused_parts_join_with_their_offsets() -> None:
     q, k = q5_k(32, 512, seed=7), q5_k(16, 512, seed=8)
     fused = stack_rows([q, k])
-    assert isinstance(fused, K5ScaledInt8DotWeight) and fused.out_features == 48
+    assert isinstance(fused, K5PackedDotWeight) and fused.out_features == 48
     assert fused.interleaved == q.interleaved  # interleaved parts join as they are stored
-    assert torch.equal(fused.plain_qweight(), torch.cat([q.plain_qweight(), k.plain_qweight()]))
+    assert torch.equal(fused.plain_packed(), torch.cat([q.plain_packed(), k.plain_packed()]))
+    assert torch.equal(fused.plane, torch.cat([q.plane, k.plane]))
     assert torch.equal(fused.records, torch.cat([q.records, k.records]))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
     assert torch.equal(fused.dot_kernel(x), torch.cat([q.dot_kernel(x), k.dot_kernel(x)], dim=-1))
@@ -127,40 +160,51 @@ def test_fused_parts_join_with_their_offsets() -> None:
 def test_kernel_refuses_int8_offsets_with_groups_inside_an_activation_block() -> None:
     kernels = quant_kernels_or_none()
     assert kernels is not None
-    weight = q5_k(8, 512, seed=10)
+    codes = q5_k(8, 512, seed=10).float_form().qweight
     x, y = torch.randn(1, 512), torch.full((1, 8), 7.0)
     offsets = torch.zeros(8, 32)
     rc = kernels.dot_linear(
-        FMT_INT8, x.data_ptr(), 1, 512, weight.qweight.data_ptr(), torch.ones(8, 32).data_ptr(), offsets.data_ptr(),
+        FMT_INT8, x.data_ptr(), 1, 512, codes.data_ptr(), torch.ones(8, 32).data_ptr(), offsets.data_ptr(),
         8, 16, None, y.data_ptr(), 1, kernels.default_level,
     )  # fmt: skip
     assert rc == -1 and torch.equal(y, torch.full((1, 8), 7.0))
 
 
-def test_kernel_refuses_records_it_cannot_widen() -> None:
-    """int8 codes with kKScales: offsets passed beside the records, a row that is not whole super-blocks,
-    or groups other than 32 leave y untouched."""
+def test_kernel_refuses_records_and_planes_it_cannot_read() -> None:
+    """Q4_K's records with int8 codes, the plane without the records or on int8, a records weight without
+    its plane pointer, rows that are not whole super-blocks: y untouched."""
     kernels = quant_kernels_or_none()
     assert kernels is not None
     weight = q5_k(8, 512, seed=12)
-    fmt = FMT_INT8 | FMT_K_SCALES
-    for k, group, offsets in ((512, 32, torch.zeros(8, 16)), (384, 32, None), (512, 16, None)):
+    packed, records, plane = weight.plain_packed(), weight.records, weight.plane
+    cases = [
+        (FMT_INT8 | FMT_K_SCALES, 512, None),
+        (FMT_INT4 | FMT_HI_PLANE, 512, plane),
+        (FMT_INT8 | FMT_K_SCALES | FMT_HI_PLANE, 512, plane),
+        (FMT_INT4 | FMT_K_SCALES | FMT_HI_PLANE, 512, None),
+        (FMT_INT4 | FMT_K_SCALES | FMT_HI_PLANE, 384, plane),
+    ]
+    for fmt, k, plane_arg in cases:
         x, y = torch.randn(1, k), torch.full((1, 8), 7.0)
         rc = kernels.dot_linear(
-            fmt, x.data_ptr(), 1, k, weight.plain_qweight().data_ptr(), weight.records.data_ptr(),
-            None if offsets is None else offsets.data_ptr(), 8, group, None, y.data_ptr(), 1, kernels.default_level,
+            fmt, x.data_ptr(), 1, k, packed.data_ptr(), records.data_ptr(),
+            None if plane_arg is None else plane_arg.data_ptr(), 8, 32, None, y.data_ptr(), 1, kernels.default_level,
         )  # fmt: skip
-        assert rc == -1 and torch.equal(y, torch.full((1, 8), 7.0)), (k, group)
+        assert rc == -1 and torch.equal(y, torch.full((1, 8), 7.0)), (fmt, k)
 
 
-def test_bad_offsets_or_records_are_refused() -> None:
+def test_bad_offsets_planes_or_codes_are_refused() -> None:
     weight = q5_k(8, 512, seed=11)
     affine = weight.float_form()
     with pytest.raises(ValueError, match="offsets"):
-        AffineInt8DotWeight(weight.plain_qweight(), affine.scales, affine.offsets[:4], 32)
+        AffineInt8DotWeight(affine.plain_qweight(), affine.scales, affine.offsets[:4], 32)
     with pytest.raises(ValueError, match="multiples of 32"):
-        AffineInt8DotWeight(weight.plain_qweight(), torch.ones(8, 32), torch.zeros(8, 32), 16)
+        AffineInt8DotWeight(affine.plain_qweight(), torch.ones(8, 32), torch.zeros(8, 32), 16)
     with pytest.raises(ValueError, match="records must be uint8"):
-        K5ScaledInt8DotWeight(weight.plain_qweight(), weight.records[:4])
-    with pytest.raises(ValueError, match="codes must be int8"):
-        K5ScaledInt8DotWeight(weight.plain_qweight().to(torch.uint8), weight.records)
+        K5PackedDotWeight(weight.plain_packed(), weight.plane, weight.records[:4], 512)
+    with pytest.raises(ValueError, match="plane must be uint8"):
+        K5PackedDotWeight(weight.plain_packed(), weight.plane[:, :32], weight.records, 512)
+    codes = weight.codes()
+    codes[2, 7] = 32
+    with pytest.raises(ValueError, match="codes must lie in 0..31"):
+        K5PackedDotWeight.from_q5_codes(codes, weight.records)

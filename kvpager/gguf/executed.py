@@ -21,11 +21,12 @@ are products (d * sub-block scale), held as float32, as are all offsets:
 With --gguf-int8-activations (the integer-dot kernels) Q4_K, Q5_K and Q6_K instead keep the file's
 factors (`DOT_FORMS`), per super-block of 256: Q4_K float16 d and dmin and the 8 six-bit scales and
 mins a byte each, 0.5 + 20/256 = 0.578 bytes a weight (the file's 0.5625 but for the 6-bit fields'
-padding); Q5_K the same record beside int8 codes, 1 + 20/256 = 1.078; Q6_K float16 d and the 16 int8
-scales, 1 + 18/256 = 1.070. The kernel expands d * sc (and -dmin * m)
-of the rows it multiplies, the same float32 values.
+padding); Q5_K the same record beside int4 codes (the low 4 bits) and a plane of the fifth bits,
+0.5 + 0.125 + 20/256 = 0.703 (the file's 0.6875); Q6_K float16 d and the 16 int8 scales, 1 + 18/256 =
+1.070. The kernel expands d * sc (and -dmin * m) of the rows it multiplies, the same float32 values.
 
-Q5_K's 5-bit and Q6_K's 6-bit codes sit in int8 because the kernels read 8- and 4-bit codes only.
+Q6_K's 6-bit codes sit in int8 (and Q5_K's in the exact path's form) because the kernels read 8- and
+4-bit codes (plus Q5_K's plane) only.
 Every other tensor (the embedding, norms, biases; every tensor when not packed) is held as floats.
 With --gguf-int8-activations a model whose lm_head is tied to the embedding also holds a packed copy
 of the embedding's blocks for the lm_head (`tied_lm_head_form`): the lookup keeps its float table, and
@@ -80,7 +81,7 @@ class PackedForm:
 
     name: str  # as the start-up log and the planner say it
     group: int  # weights per scale (and offset), along a row
-    code_bits: int  # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN
+    code_bits: int  # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN; 5: 4 and a bit plane
     offsets: bool  # a float32 offset per group beside the scale
     half_scales: bool = False  # float16 scales (the file's); otherwise float32
     # bytes of a super-block record (256 weights) held instead of scales and offsets: K_RECORD_BYTES (Q4_K),
@@ -91,6 +92,8 @@ class PackedForm:
         """Bytes the packed weight of a [rows, cols] tensor holds (codes, scales, offsets)."""
         groups = -(-cols // self.group)
         codes = cols if self.code_bits == 8 else -(-cols // INT4_SPAN) * (INT4_SPAN // 2)
+        if self.code_bits == 5:
+            codes += -(-cols // 8)  # the fifth bits
         if self.record_bytes:
             return rows * (codes + -(-cols // QK_K) * self.record_bytes)
         scale = HALF_SCALE_BYTES if self.half_scales else SCALE_BYTES
@@ -110,7 +113,7 @@ PACKED_FORMS = {
 DOT_FORMS = {
     "Q4_K": PackedForm("int4 g32, the file's super-block scales", 32, 4, True, record_bytes=K_RECORD_BYTES),
     "Q5_K": PackedForm(
-        "int8 g32 + per-group offset, the file's super-block scales", 32, 8, True, record_bytes=K_RECORD_BYTES
+        "int4 g32 + a fifth-bit plane, the file's super-block scales", 32, 5, True, record_bytes=K_RECORD_BYTES
     ),
     "Q6_K": PackedForm("int8 g16, the file's super-block scales", 16, 8, False, record_bytes=Q6_RECORD_BYTES),
 }

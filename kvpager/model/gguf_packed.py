@@ -13,8 +13,9 @@ matmul computes with exactly the values gguf-py's dequantizer gives:
   KScaledInt4DotWeight (the same codes, the file's d, dmin, sc and m, expanded by the kernel).
 - Q5_K -> AffineInt8Weight group 32: Int8Weight over the 5-bit codes plus a per-group offset
   (-dmin*m), which the exact int8 kernels do not have; the offset term is offset[n, g] * sum of x over
-  group g, one small matmul on the group sums. With int8 activations AffineInt8DotWeight: the
-  integer-dot kernel adds the offset term itself, as for int4's asymmetric groups.
+  group g, one small matmul on the group sums. With int8 activations K5PackedDotWeight: the codes' low
+  4 bits as int4 codes, their fifth bits in a plane, the file's d, dmin, sc and m (expanded by the
+  kernel, which adds the offset term itself, as for int4's asymmetric groups).
 
 Which tensors run packed, and the bytes each form holds, is kvpager.gguf.executed's (torch-free, so
 the planner counts the same bytes). A fused projection (q/k/v, gate/up) whose parts are of different
@@ -30,13 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvpager.gguf.blocks import K_RECORD_BYTES, BlockCodes
+from kvpager.gguf.blocks import BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
 from kvpager.model.backends.k_scales import (
-    FMT_K_SCALES,
     KScaledInt4DotWeight,
     Q6ScaledInt8DotWeight,
-    RecordsInt8DotWeight,
     expand_k_records,
 )
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
@@ -44,11 +43,18 @@ from kvpager.model.backends.quant_weights import (
     Int4Weight,
     Int8Weight,
     PackedWeight,
+    _pack_int4,
     cat_rows,
     join_rows,
 )
 
-__all__ = ["INT8_DOT_TYPES", "AffineInt8DotWeight", "AffineInt8Weight", "K5ScaledInt8DotWeight", "packed_from_blocks"]
+__all__ = [
+    "INT8_DOT_TYPES",
+    "AffineInt8DotWeight",
+    "AffineInt8Weight",
+    "K5PackedDotWeight",
+    "packed_from_blocks",
+]
 
 
 def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: bool = False) -> PackedWeight:
@@ -76,8 +82,7 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
         offsets = None if type_name == "Q4_0" else torch.from_numpy(np.ascontiguousarray(blocks.offsets))
         return int4.from_codes(codes, scales, offsets, blocks.group)
     if type_name == "Q5_K" and int8_activations and blocks.k_records is not None:
-        records = torch.from_numpy(np.ascontiguousarray(blocks.k_records))
-        return K5ScaledInt8DotWeight(codes.to(torch.int8), records)
+        return K5PackedDotWeight.from_q5_codes(codes, torch.from_numpy(np.ascontiguousarray(blocks.k_records)))
     if int8_activations and blocks.offsets is not None:
         offsets = torch.from_numpy(np.ascontiguousarray(blocks.offsets))
         return AffineInt8DotWeight(codes.to(torch.int8), scales, offsets, blocks.group)
@@ -181,22 +186,85 @@ class AffineInt8DotWeight(Int8DotWeight):
         return self.qweight.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr()
 
 
-class K5ScaledInt8DotWeight(RecordsInt8DotWeight):
-    """GGUF Q5_K times int8 activations holding the file's super-block factors: int8 codes 0..31 (group
-    32) and, per row and super-block of 256, Q4_K's record (float16 d and dmin, the 8 six-bit scales and
-    mins a byte each; K_RECORD_BYTES): 1.08 bytes a weight where AffineInt8DotWeight's float32 scales
-    and offsets hold 1.25. The integer-dot kernel widens the records of the rows it multiplies (kKScales
-    on int8), the float32 form's values, so its bits."""
+# Stored position j of an int4 block holds the code of natural position INT4_NATURAL[j] (the kernels'
+# int4_natural: 8-code spans, low nibbles then high ones).
+INT4_NATURAL = [(0, 16, 8, 24)[j // 8] + j % 8 for j in range(32)]
+FMT_HI_PLANE = 4096  # or'ed into FMT_INT4 | FMT_K_SCALES: the `offsets` pointer is the fifth-bit plane (kHiPlane)
 
-    GROUP, RECORD_BYTES, FMT_RECORDS = 32, K_RECORD_BYTES, FMT_K_SCALES
-    CODES = (0, 31)  # the file's 5-bit codes
 
-    def float_form(self) -> AffineInt8DotWeight:
-        """The same weight as AffineInt8DotWeight (float32 scales and offsets, expanded now; codes shared)."""
+class K5PackedDotWeight(KScaledInt4DotWeight):
+    """GGUF Q5_K times int8 activations in 0.70 bytes a weight: the 5-bit codes' low 4 bits as int4 codes
+    (KScaledInt4DotWeight's layout, interleaved as it does), their fifth bits in a plane [N, K / 8] (per
+    block of 32, 4 bytes; bit j little-endian is the fifth bit of the block's stored position j, whose
+    natural position is INT4_NATURAL[j]), and Q4_K's records for scales and offsets. The kernel's Q4_K
+    tiles add 16 where a bit is set (kHiPlane in kernels/quant_dot.cpp); int8 codes would hold the same
+    values in 1.08 bytes a weight with the records. The exact and bfloat16 paths run float_form()."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        plane: torch.Tensor,
+        records: torch.Tensor,
+        in_features: int,
+        interleave: bool | None = None,
+    ) -> None:
+        super().__init__(packed, records, in_features, interleave)
+        if plane.dtype != torch.uint8 or tuple(plane.shape) != (self.out_features, in_features // 8):
+            raise ValueError(f"K5PackedDotWeight: plane must be uint8 [N, K / 8], got {tuple(plane.shape)}")
+        self.plane = plane.contiguous()
+
+    @classmethod
+    def from_q5_codes(
+        cls, codes: torch.Tensor, records: torch.Tensor, interleave: bool | None = None
+    ) -> K5PackedDotWeight:
+        """From Q5_K's codes [N, K] (integers 0..31, natural order) and the records."""
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 31):
+            raise ValueError("K5PackedDotWeight.from_q5_codes: codes must lie in 0..31")
+        n, k = codes.shape
+        if k % 32:
+            raise ValueError(f"K5PackedDotWeight.from_q5_codes: K must be a multiple of 32, got {k}")
+        low = (codes & 15).to(torch.uint8)
+        fifth = (codes >> 4).to(torch.uint8).view(n, k // 32, 32)[..., INT4_NATURAL]
+        bits = fifth.view(n, k // 32, 4, 8) << torch.arange(8, dtype=torch.uint8)
+        plane = bits.sum(-1, dtype=torch.uint8).view(n, k // 8)
+        return cls(_pack_int4(low), plane, records, k, interleave)
+
+    @classmethod
+    def cat(cls, parts: list[K5PackedDotWeight]) -> K5PackedDotWeight:  # type: ignore[override]
+        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
+        records, plane, k = (
+            torch.cat([p.records for p in parts]),
+            torch.cat([p.plane for p in parts]),
+            parts[0].in_features,
+        )
+        return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
+
+    def codes(self) -> torch.Tensor:
+        """The 5-bit codes [N, K] uint8 (natural order)."""
+        n, k = self.out_features, self.in_features
+        bits = (self.plane.view(n, k // 32, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        fifth = torch.empty((n, k // 32, 32), dtype=torch.uint8)
+        fifth[..., INT4_NATURAL] = bits.view(n, k // 32, 32)
+        return super().codes() + (fifth.view(n, k) << 4)
+
+    def float_form(self) -> AffineInt8DotWeight:  # type: ignore[override]
+        """The same weight as AffineInt8DotWeight (int8 codes, float32 scales and offsets, expanded now)."""
         scales, offsets = expand_k_records(self.records)
-        weight = self._float_form_of(AffineInt8DotWeight(self.qweight, scales, offsets, 32, interleave=False))
-        assert isinstance(weight, AffineInt8DotWeight)
+        weight = AffineInt8DotWeight(self.codes().to(torch.int8), scales, offsets, 32, interleave=False)
+        weight.max_level = self.max_level
         return weight
+
+    def kernel_fmt(self) -> int:
+        return super().kernel_fmt() | FMT_HI_PLANE
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.plane, self.records)
+
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain_packed(), self.plane, self.records)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.packed.data_ptr(), self.records.data_ptr(), self.plane.data_ptr()
 
 
 class RowStack(PackedWeight):
@@ -254,12 +322,12 @@ def _mergeable(a: PackedWeight, b: PackedWeight) -> bool:
 def _merge(run: list[PackedWeight]) -> PackedWeight:
     if len(run) == 1:
         return run[0]
+    if isinstance(run[0], K5PackedDotWeight):  # before its base class: its plane joins too
+        return K5PackedDotWeight.cat([p for p in run if isinstance(p, K5PackedDotWeight)])
     if isinstance(run[0], KScaledInt4DotWeight):
         return KScaledInt4DotWeight.cat([p for p in run if isinstance(p, KScaledInt4DotWeight)])
     if isinstance(run[0], AffineInt8DotWeight):
         return AffineInt8DotWeight.cat([p for p in run if isinstance(p, AffineInt8DotWeight)])
-    if isinstance(run[0], K5ScaledInt8DotWeight):
-        return K5ScaledInt8DotWeight.cat([p for p in run if isinstance(p, K5ScaledInt8DotWeight)])
     if isinstance(run[0], Q6ScaledInt8DotWeight):
         return Q6ScaledInt8DotWeight.cat([p for p in run if isinstance(p, Q6ScaledInt8DotWeight)])
     if isinstance(run[0], AffineInt8Weight):

@@ -64,6 +64,7 @@ struct DotPacked {
   bool scale_prefetch;      // whether the tiles prefetch the next tile's scale rows (not in a KRows view)
   const uint8_t* k_records;  // fmt | kKScales: GGUF Q4_K's super-block records (scales, offsets null)
   const uint8_t* q6_records;  // fmt | kQ6Scales: GGUF Q6_K's super-block records (scales null)
+  const uint8_t* hi_plane;    // fmt | kHiPlane: GGUF Q5_K's fifth bits (int4 codes, kKScales records)
 };
 
 // quant.cpp's: a format value with this bit set says the scales are IEEE float16 (GGUF Q8_0 / Q4_0).
@@ -78,15 +79,23 @@ inline const SC* scale_row(const DotPacked& p, int64_t n) {
 // Row n's offsets (int4, asymmetric).
 inline const float* offset_row(const DotPacked& p, int64_t n) { return p.offsets + (n - p.scale_row0) * p.num_groups; }
 
-// A format value with this bit set holds GGUF Q4_K's or Q5_K's scales as the file does (int4 / int8,
-// group 32, K a multiple of 256): per row, one kKRecord-byte record per super-block of kKGroups groups:
+// A format value with this bit set holds GGUF Q4_K's or Q5_K's scales as the file does (int4, group 32,
+// K a multiple of 256): per row, one kKRecord-byte record per super-block of kKGroups groups:
 // float16 d, float16 dmin, kKGroups six-bit scales sc, kKGroups six-bit mins m (a byte each). Group g's
 // scale is d * sc[g] and its offset -(dmin * m[g]), both exact in float32: the float32 form's values,
-// so the two forms give the same bits. Q4_K: 0.58 bytes a weight where the float32 form holds 0.75;
-// Q5_K (int8 codes 0..31): 1.08 where it holds 1.25.
+// so the two forms give the same bits. Q4_K: 0.58 bytes a weight where the float32 form holds 0.75.
 constexpr int64_t kKScales = 1024;
 constexpr int64_t kKGroups = 8;
 constexpr int64_t kKRecord = 20;
+
+// A format value with this bit set (with kKScales, int4) holds GGUF Q5_K's 5-bit codes packed: the int4
+// codes are their low 4 bits, and `offsets` points at a plane of their fifth bits, uint8 [N, K / 8]: per
+// block of 32, 4 bytes, bit j (little-endian) that of the block's stored position j (int4_rows.h's order:
+// position i of the 16 stored bytes' low nibbles, 16 + i of their high ones). 0.70 bytes a weight with the
+// records, where int8 codes with float32 scales and offsets hold 1.25. The VNNI build has no such tile:
+// the AVX2 build runs it there.
+constexpr int64_t kHiPlane = 4096;
+constexpr int64_t kPlaneBytesPerBlock = 4;
 
 // A format value with this bit set holds GGUF Q6_K's scales as the file does (int8, group 16, K a
 // multiple of 256): per row, one kQ6Record-byte record per super-block of kQ6Groups groups: float16 d,
@@ -156,7 +165,8 @@ int64_t kvq_dot_panel_rows(int64_t max_level) {
 // y [M, N] = quantize_per_block(x [M, K]) . w (+ bias [N] when not null); see the header comment.
 // fmt | kHalfScales: `scales` holds IEEE float16; fmt | kvq_int4::kRowsBit: rows interleaved (int4_rows.h;
 // int8: on the AVX2 or portable path, whatever max_level allows); fmt | kKScales: `scales` holds Q4_K's
-// or Q5_K's super-block records (int4 / int8, group 32, K a multiple of 256, `offsets` null); fmt | kQ6Scales: Q6_K's
+// or Q5_K's super-block records (int4, group 32, K a multiple of 256, `offsets` null, but with
+// kHiPlane: `offsets` is the plane of Q5_K's fifth bits); fmt | kQ6Scales: Q6_K's
 // (int8, group 16, K a multiple of 256, `offsets` null).
 // int8 takes `offsets` too (float32 [N, groups], groups a multiple of 32): y gains offset[n, g] times the
 // group's sum of the quantized activations, as int4's asymmetric groups do.
@@ -167,11 +177,14 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
                        int64_t num_threads, int64_t max_level) {
   constexpr int64_t B = kvqd_simd::kBlock;
   const bool half_scales = (fmt & kHalfScales) != 0, rows4 = (fmt & kvq_int4::kRowsBit) != 0;
-  const bool k_scales = (fmt & kKScales) != 0, q6_scales = (fmt & kQ6Scales) != 0;
-  fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales | kQ6Scales);
+  const bool k_scales = (fmt & kKScales) != 0, q6_scales = (fmt & kQ6Scales) != 0, plane = (fmt & kHiPlane) != 0;
+  fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales | kQ6Scales | kHiPlane);
+  if (plane && (!k_scales || fmt != kFmtInt4 || offsets == nullptr)) return -1;
+  const uint8_t* hi_plane = plane ? reinterpret_cast<const uint8_t*>(offsets) : nullptr;
+  if (plane) offsets = nullptr;  // the pointer was the plane's
   const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
-  if (k_scales && (group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
+  if (k_scales && (fmt != kFmtInt4 || group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
   if (fmt == kFmtInt8 && offsets && (half || group % B != 0)) return -1;  // offsets: whole activation blocks
   if (q6_scales && (k_scales || fmt != kFmtInt8 || group != B / 2 || K % (B / 2 * kQ6Groups) != 0 || half_scales ||
                     offsets))
@@ -196,11 +209,14 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   p.scale_prefetch = !k_scales && !q6_scales;
   p.k_records = k_scales ? static_cast<const uint8_t*>(scales) : nullptr;
   p.q6_records = q6_scales ? static_cast<const uint8_t*>(scales) : nullptr;
+  p.hi_plane = hi_plane;
   p.interleaved = kvq_int4::interleaved_rows(rows4, N, p.row_bytes);
   const bool int4 = fmt == kFmtInt4;
   // interleaved int8 rows have no VNNI instantiation (its block pairs read plain rows): the AVX2 build
   // runs them there (the weights' classes interleave int8 only where the VNNI build is not the path)
-  const int64_t level = std::min(dot_level_for(max_level), int4 || !p.interleaved ? kLevelVnni : kLevelAvx2);
+  // (nor has Q5_K's fifth-bit plane: the AVX2 build runs those too)
+  const int64_t level =
+      std::min(dot_level_for(max_level), (int4 && !plane) || (!int4 && !p.interleaved) ? kLevelVnni : kLevelAvx2);
   const int threads = static_cast<int>(N * K * M >= (1 << 15) ? std::max<int64_t>(1, num_threads) : 1);
   std::vector<int8_t> q(static_cast<size_t>(M * p.blocks * B));
   std::vector<float> d(static_cast<size_t>(M * p.blocks)), xs;
@@ -210,7 +226,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   else
 #endif
     portable::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
-  if (int4 || offsets || k_scales) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
+  if (int4 || offsets) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
     xs.assign(static_cast<size_t>(M * p.num_groups), 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < p.blocks; ++b) {

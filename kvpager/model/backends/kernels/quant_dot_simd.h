@@ -39,9 +39,10 @@ inline int int4_natural(int p) {
   return kBase[p / 8] + p % 8;
 }
 
-// The value range an int8 panel's weights keep (panel_block_i8): any int8, |w| <= 32 (GGUF Q6_K: -32..31),
-// or codes 0..31 (GGUF Q5_K).
-constexpr int kI8Full = 0, kI8Small = 1, kI8Codes = 2;
+// The value range a panel's weights keep (quant_dot_gemm.inc): int8 any (kI8Full) or |w| <= 32 (kI8Small:
+// GGUF Q6_K's -32..31), panel_block_i8's; int4 codes with a fifth bit (kFiveBits: GGUF Q5_K's 0..31),
+// panel_block's kFive.
+constexpr int kI8Full = 0, kI8Small = 1, kFiveBits = 2;
 
 struct Portable {
   struct V {
@@ -176,6 +177,34 @@ struct Portable {
     for (int l = 0; l < 4; ++l) r.v[l] = a.v[l], r.v[4 + l] = b.v[l];
     return r;
   }
+  // GGUF Q5_K packed (quant_dot_body.inc's tile_i4_records with a plane): blocks b, b + 1 as dot_i4x2
+  // takes them, each code plus 16 where its fifth bit is set. plane: 8 bytes, block b's 32 bits then
+  // block b + 1's, bit j (little-endian) the fifth bit of stored position j (as W's v[j]).
+  struct W5x2 {
+    W a, b;
+  };
+  static W5x2 w_i5x2(const uint8_t* w, const uint8_t* plane) {
+    W5x2 r{w_i4(w), w_i4(w + 16)};
+    for (int j = 0; j < kBlock; ++j) {
+      r.a.v[j] = static_cast<int16_t>(r.a.v[j] + 16 * ((plane[j / 8] >> (j % 8)) & 1));
+      r.b.v[j] = static_cast<int16_t>(r.b.v[j] + 16 * ((plane[4 + j / 8] >> (j % 8)) & 1));
+    }
+    return r;
+  }
+  static V dot_i5x2(const W5x2& w, X4x2 x) {
+    const V4 a = dot_i4(w.a, x), b = dot_i4(w.b, x + kBlock);
+    V r;
+    for (int l = 0; l < 4; ++l) r.v[l] = a.v[l], r.v[4 + l] = b.v[l];
+    return r;
+  }
+  // Adds the fifth bits of a panel's block (pack_codes8's layout, [group g][row c][4]: positions 4g..4g+3
+  // in stored order) from each row's 4 plane bytes (rows past `cols`: none).
+  static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
+    for (int c = 0; c < cols; ++c)
+      for (int j = 0; j < kBlock; ++j)
+        dst[32 * (j / 4) + 4 * c + j % 4] = static_cast<uint8_t>(dst[32 * (j / 4) + 4 * c + j % 4] +
+                                                                 16 * ((plane[c][j / 8] >> (j % 8)) & 1));
+  }
   template <class SC>
   static V spread2(const SC* f) {  // f[0] in lanes 0..3, f[1] in 4..7
     V r;
@@ -225,7 +254,8 @@ struct Portable {
   // One block of an int4 panel (quant_dot_gemm.inc) for R input rows: lane c of acc[r] += (idot(column
   // c's block, row r's block) * d[r]) * s[c] (two roundings, as the other tiles' per-block step). wb:
   // the block's 256 unpacked codes, [group g of 4 positions][column c][4]; x[r]: row r's 32 activations.
-  template <int R>
+  // kFive (5-bit codes, GGUF Q5_K packed) only changes how the AVX2 build sums.
+  template <int R, bool kFive = false>
   static void panel_block(const uint8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], V s, V (&acc)[R]) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 8; ++c) {
@@ -245,8 +275,8 @@ struct Portable {
   // One block of an int8 panel for R input rows: lane c of acc[r] += idot(column c's block, row r's
   // block) * (d[r] * s[c]), one rounding in the factor and one in the multiply-add (the one-row int8
   // tiles' step). kHalf (group 16): the block's halves, positions 0..15 and 16..31, each with its own
-  // factor (s[c] and s[8 + c]), low half first. kRange (kI8Full, kI8Small: values within -32..32,
-  // kI8Codes: 0..31) only changes how the AVX2 build sums; the integer dots are exact either way.
+  // factor (s[c] and s[8 + c]), low half first. kRange (kI8Full, kI8Small: values within -32..32) only
+  // changes how the AVX2 build sums; the integer dots are exact either way.
   template <int R, bool kHalf, int kRange>
   static void panel_block_i8(const int8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], const float* s,
                              V (&acc)[R]) {
@@ -408,6 +438,31 @@ struct Avx2 {
     const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x.lo), _mm256_maddubs_epi16(w.hi, x.hi));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
   }
+  // Portable::w_i5x2: each byte of the plane spread to 8 byte lanes ([b bits 0..15 | b + 1 bits 0..15]
+  // beside the low nibbles, bits 16..31 beside the high ones), its bit tested, 16 where set.
+  using W5x2 = W4x2;
+  static W5x2 w_i5x2(const uint8_t* w, const uint8_t* plane) {
+    W4x2 r = w_i4x2(w);
+    int64_t eight;
+    std::memcpy(&eight, plane, sizeof eight);
+    const __m256i v = _mm256_set1_epi64x(eight);
+    const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL)), sixteen = _mm256_set1_epi8(16);
+    const __m256i lo_at = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                           4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5);
+    const __m256i hi_at = _mm256_add_epi8(lo_at, _mm256_set1_epi8(2));
+    const auto fifth = [&](__m256i at) {
+      const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, at), bits);
+      return _mm256_and_si256(_mm256_cmpeq_epi8(b, bits), sixteen);
+    };
+    r.lo = _mm256_or_si256(r.lo, fifth(lo_at));
+    r.hi = _mm256_or_si256(r.hi, fifth(hi_at));
+    return r;
+  }
+  // codes up to 31: a pair sum is at most 2 * 31 * 127, two of them fit int16 (dot_i4x2's sums)
+  static V dot_i5x2(const W5x2& w, const X4x2& x) { return dot_i4x2(w, x); }
+  static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
+    Portable::add_plane8(plane, cols, dst);
+  }
   static V spread2(const float* f) { return _mm256_set_m128(_mm_set1_ps(f[1]), _mm_set1_ps(f[0])); }
   static V spread2(const uint16_t* f) {  // the two float16 widened, then spread as the float32 form
     int32_t two;
@@ -447,23 +502,28 @@ struct Avx2 {
   // lane of a group's load is one column's 4 codes, times row r's 4 activations broadcast to every
   // lane; the 8 groups' int16 pair sums add up in int16 (each at most 2 * 15 * 127, so 8 of them fit),
   // then one vpmaddwd makes lane c column c's exact int32 block dot.
-  template <int R>
+  // kFive (codes up to 31, GGUF Q5_K packed): 4 groups' pair sums fit int16 (4 * 2 * 31 * 127), so each
+  // half block gets its own vpmaddwd and the two add in int32.
+  template <int R, bool kFive = false>
   static void panel_block(const uint8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], V s, V (&acc)[R]) {
-    __m256i t[R];
+    __m256i t[R], half[R];
     for (int g = 0; g < 8; ++g) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, x[r] + 4 * g, sizeof four);
         const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(four));
-        t[r] = g == 0 ? p : _mm256_add_epi16(t[r], p);
+        t[r] = g == 0 || (kFive && g == 4) ? p : _mm256_add_epi16(t[r], p);
         // keeps each row's sum one running register: left free, the compiler reassociates the adds into
         // a tree over all 8 * R products, which spills them to the stack
         __asm__("" : "+x"(t[r]));
       }
+      if (kFive && g == 3)
+        for (int r = 0; r < R; ++r) half[r] = _mm256_madd_epi16(t[r], _mm256_set1_epi16(1));
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i pair = _mm256_madd_epi16(t[r], _mm256_set1_epi16(1));
+      __m256i pair = _mm256_madd_epi16(t[r], _mm256_set1_epi16(1));
+      if constexpr (kFive) pair = _mm256_add_epi32(half[r], pair);
       const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(pair), _mm256_set1_ps(d[r]));
       acc[r] = _mm256_fmadd_ps(f, s, acc[r]);
     }
@@ -491,25 +551,23 @@ struct Avx2 {
   // Portable::panel_block_i8: each 32-bit lane of a group's load is one column's 4 values; |w| times
   // row r's 4 activations broadcast with w's signs (vpmaddubsw: a pair sum is at most 2 * 128 * 127, so
   // it fits int16 once), each group's pair sums widened to int32 (vpmaddwd) and added. kI8Small (|w| <=
-  // 32): a half block's 4 groups add up in int16 first (4 * 2 * 32 * 127 fits), one vpmaddwd per half;
-  // kI8Codes (0..31) the same without the sign trick (the values are the unsigned operand as they are).
+  // 32): a half block's 4 groups add up in int16 first (4 * 2 * 32 * 127 fits), one vpmaddwd per half.
   template <int R, bool kHalf, int kRange>
   static void panel_block_i8(const int8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], const float* s,
                              V (&acc)[R]) {
     constexpr int H = kHalf ? 2 : 1;
-    constexpr bool kSmall = kRange != kI8Full;
+    constexpr bool kSmall = kRange == kI8Small;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i t[R][H];
     for (int h = 0; h < 2; ++h) {
       __m256i t16[R];
       for (int g = 4 * h; g < 4 * h + 4; ++g) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
-        const __m256i aw = kRange == kI8Codes ? w : _mm256_abs_epi8(w);
+        const __m256i aw = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
           int32_t four;
           std::memcpy(&four, x[r] + 4 * g, sizeof four);
-          const __m256i xr = _mm256_set1_epi32(four);
-          const __m256i p = _mm256_maddubs_epi16(aw, kRange == kI8Codes ? xr : _mm256_sign_epi8(xr, w));
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(four), w));
           if constexpr (kSmall) {
             t16[r] = g == 4 * h ? p : _mm256_add_epi16(t16[r], p);
             __asm__("" : "+x"(t16[r]));  // one running sum per row (as panel_block)
