@@ -106,7 +106,7 @@ def dot_kernel_max_rows(
         # off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS), batches of kvq_dot_panel_rows (32)
         # rows or more take the integer dot's 8-row panels (kernels/quant_dot_gemm.inc), ahead of the exact
         # path on AMD Zen 2 (BENCHMARKS.md: int4 1.3-1.5x at 1024 rows; 512-token prompts of a Q8_0 file
-        # 1.17-1.20x; the one-row int8 tiles also lead it at 17-31 rows): every batch stays on the dot
+        # 1.16-1.22x; the one-row int8 tiles also lead it at 17-31 rows): every batch stays on the dot
         return None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format]
 
