@@ -190,6 +190,10 @@ class AffineInt8DotWeight(Int8DotWeight):
 # int4_natural: 8-code spans, low nibbles then high ones).
 INT4_NATURAL = [(0, 16, 8, 24)[j // 8] + j % 8 for j in range(32)]
 FMT_HI_PLANE = 4096  # or'ed into FMT_INT4 | FMT_K_SCALES: the `offsets` pointer is the fifth-bit plane (kHiPlane)
+# Which of a block's plane bytes (byte i: stored positions 8i..8i+7) holds natural positions 8j..8j+7,
+# and each byte value's 8 bits, little-endian, times 16.
+PLANE_BYTE_ORDER = [INT4_NATURAL.index(8 * j) // 8 for j in range(4)]
+FIFTH_BITS = ((torch.arange(256).view(256, 1) >> torch.arange(8)) & 1).to(torch.uint8) * 16
 
 
 class K5PackedDotWeight(KScaledInt4DotWeight):
@@ -240,12 +244,13 @@ class K5PackedDotWeight(KScaledInt4DotWeight):
         return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
 
     def codes(self) -> torch.Tensor:
-        """The 5-bit codes [N, K] uint8 (natural order)."""
+        """The 5-bit codes [N, K] uint8 (natural order). The exact and bfloat16 paths build the float form
+        from them per call, so one gather: a block's plane bytes hold stored positions 0-7, 8-15, 16-23,
+        24-31, i.e. natural 0-7, 16-23, 8-15, 24-31 (INT4_NATURAL), and each byte widens through a table
+        to its 8 bits times 16."""
         n, k = self.out_features, self.in_features
-        bits = (self.plane.view(n, k // 32, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-        fifth = torch.empty((n, k // 32, 32), dtype=torch.uint8)
-        fifth[..., INT4_NATURAL] = bits.view(n, k // 32, 32)
-        return super().codes() + (fifth.view(n, k) << 4)
+        in_order = self.plane.view(n, k // 32, 4)[..., PLANE_BYTE_ORDER]
+        return super().codes() + FIFTH_BITS[in_order.long()].view(n, k)
 
     def float_form(self) -> AffineInt8DotWeight:  # type: ignore[override]
         """The same weight as AffineInt8DotWeight (int8 codes, float32 scales and offsets, expanded now)."""
