@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.core.config import FP32_MATMUL_PRECISIONS, LOAD_FORMATS
+from kvpager.core.cpuinfo import PROC_CPUINFO, read_cpuinfo
 
 DEFAULT_NUM_THREADS = 2
 
@@ -102,7 +103,7 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu": cpu_model(),
-        **read_cpu_id(Path("/proc/cpuinfo")),
+        **read_cpu_id(PROC_CPUINFO),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -123,14 +124,7 @@ def machine_line(info: dict[str, Any]) -> str:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return read_cpuinfo().get("model name") or platform.processor() or "unknown CPU"
 
 
 # The instruction-set flags the kernels choose their paths by (a record names which of them the CPU had).
@@ -140,16 +134,7 @@ KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx51
 def read_cpu_id(cpuinfo: Path) -> dict[str, Any]:
     """From a /proc/cpuinfo: the CPU's family / model numbers (one model name spans several generations,
     AMD EPYC among them) and which of KERNEL_FLAGS it has; empty where the file does not say."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return {}
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break  # the first processor's entry is enough
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
+    fields = read_cpuinfo(cpuinfo)
     out: dict[str, Any] = {}
     if "cpu family" in fields and "model" in fields:
         out["cpu_family_model"] = f"{fields['cpu family']}/{fields['model']}"

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvpager.core.cpuinfo import PROC_CPUINFO, read_cpuinfo
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
 from kvpager.model.backends.quant_kernels import (
     LEVEL_AVX2,
@@ -119,21 +120,13 @@ def bf16_gemm_prompts(dot_level: int, native_bf16: bool) -> bool:
 
 def read_cpu_vendor(cpuinfo: Path) -> str | None:
     """The vendor `cpuinfo` (a /proc/cpuinfo) names (x86 `vendor_id`), None where it names none."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return None
+    return read_cpuinfo(cpuinfo).get("vendor_id")
 
 
 @functools.cache
 def cpu_vendor() -> str | None:
     """This machine's CPU vendor, read once (dot_rows asks on every call)."""
-    return read_cpu_vendor(Path("/proc/cpuinfo"))
+    return read_cpu_vendor(PROC_CPUINFO)
 
 
 @functools.cache
