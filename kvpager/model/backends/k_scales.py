@@ -17,8 +17,6 @@ sc (Q6_RECORD_BYTES = 18) cost 0.07 (kQ6Scales in the kernel).
 
 from __future__ import annotations
 
-from typing import Self
-
 import torch
 
 from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, QK_K
@@ -156,54 +154,49 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
-class RecordsInt8DotWeight(_FileScales, Int8DotWeight):
-    """int8 codes (interleaved as Int8DotWeight does) with a GGUF type's super-block records for their
-    scales (and offsets): the shared part of Q6ScaledInt8DotWeight and gguf_packed's Q5_K form. A
-    subclass names its GROUP, RECORD_BYTES, the kernel's FMT_RECORDS bit, its CODES (the range its int8
-    values keep: the kernel's prompt panels sum them in int16 on that promise) and its float_form().
+class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
+    """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales.
 
-    `qweight` [N, K] int8 in the plain layout, `records` [N, K / 256, RECORD_BYTES] uint8; K a multiple
-    of 256."""
+    `qweight` [N, K] int8 in the plain layout (interleaved here as Int8DotWeight does), values within
+    CODES (the kernel's prompt panels sum them in int16 on that promise), `records` [N, K / 256,
+    Q6_RECORD_BYTES] uint8; K a multiple of 256."""
 
-    GROUP: int
-    RECORD_BYTES: int
-    FMT_RECORDS: int
-    CODES: tuple[int, int]
+    CODES = (-32, 31)  # the file's 6-bit codes minus 32
 
     def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
         out_features, in_features = qweight.shape
-        owner = type(self).__name__
-        _check_records(owner, records, out_features, in_features, self.RECORD_BYTES)
+        _check_records("Q6ScaledInt8DotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
         if qweight.dtype != torch.int8:
-            raise ValueError(f"{owner}: codes must be int8, got {qweight.dtype}")
+            raise ValueError(f"Q6ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
         low, high = self.CODES
         if qweight.numel() and (int(qweight.min()) < low or int(qweight.max()) > high):
-            raise ValueError(f"{owner}: codes must lie in {low}..{high}")
+            raise ValueError(f"Q6ScaledInt8DotWeight: codes must lie in {low}..{high}")
         PackedWeight.__init__(self)
-        check_dynamic_group(self.method, self.GROUP, in_features)
+        check_dynamic_group(self.method, Q6_GROUP, in_features)
         if interleave is None:
             interleave = self.INTERLEAVE and _int8_rows_interleave_here()
         self.interleave = interleave
         short = in_features <= self.INTERLEAVE_MAX_ROW_BYTES
         self.interleaved = interleave and short and _interleavable(qweight)
         self.qweight = interleave_rows(qweight) if self.interleaved else qweight.contiguous()
-        self.out_features, self.in_features, self.group_size = out_features, in_features, self.GROUP
+        self.out_features, self.in_features, self.group_size = out_features, in_features, Q6_GROUP
         self.records = records.contiguous()
 
     @classmethod
-    def cat(cls, parts: list[Self]) -> Self:
+    def cat(cls, parts: list[Q6ScaledInt8DotWeight]) -> Q6ScaledInt8DotWeight:
         """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
         records = torch.cat([p.records for p in parts])
         return join_rows(parts, lambda qweight, interleave: cls(qweight, records, interleave))
 
-    def _float_form_of(self, weight: Int8DotWeight) -> Int8DotWeight:
-        """`weight` (built on this weight's codes with interleave=False) marked as they are stored."""
+    def float_form(self) -> Int8DotWeight:
+        """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""
+        weight = Int8DotWeight(self.qweight, expand_q6_records(self.records), Q6_GROUP, interleave=False)
         weight.interleave, weight.interleaved = self.interleave, self.interleaved
         weight.max_level = self.max_level
         return weight
 
     def kernel_fmt(self) -> int:
-        return FMT_INT8 | self.FMT_RECORDS | (FMT_ROWS4 if self.interleaved else 0)
+        return FMT_INT8 | FMT_Q6_SCALES | (FMT_ROWS4 if self.interleaved else 0)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.records)
@@ -215,25 +208,11 @@ class RecordsInt8DotWeight(_FileScales, Int8DotWeight):
         return self.qweight.data_ptr(), self.records.data_ptr(), None
 
 
-class Q6ScaledInt8DotWeight(RecordsInt8DotWeight):
-    """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales."""
-
-    GROUP, RECORD_BYTES, FMT_RECORDS = Q6_GROUP, Q6_RECORD_BYTES, FMT_Q6_SCALES
-    CODES = (-32, 31)  # the file's 6-bit codes minus 32
-
-    def float_form(self) -> Int8DotWeight:
-        """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""
-        return self._float_form_of(
-            Int8DotWeight(self.qweight, expand_q6_records(self.records), Q6_GROUP, interleave=False)
-        )
-
-
 __all__ = [
     "FMT_K_SCALES",
     "FMT_Q6_SCALES",
     "KScaledInt4DotWeight",
     "Q6ScaledInt8DotWeight",
-    "RecordsInt8DotWeight",
     "expand_k_records",
     "expand_q6_records",
 ]
