@@ -169,20 +169,16 @@ struct Portable {
   // the 32 stored bytes of both blocks, the activation pair their 64 stored bytes.
   using W4x2 = const uint8_t*;
   using X4x2 = X;
+  struct W5x2 {  // two blocks' codes as W (dot_i4x2's pair unpacked; GGUF Q5_K's with their fifth bits)
+    W a, b;
+  };
   static W4x2 w_i4x2(const uint8_t* w) { return w; }
   static X4x2 x_i4x2(const int8_t* q) { return q; }
-  static V dot_i4x2(W4x2 w, X4x2 x) {
-    const V4 a = dot_i4(w_i4(w), x), b = dot_i4(w_i4(w + 16), x + kBlock);
-    V r;
-    for (int l = 0; l < 4; ++l) r.v[l] = a.v[l], r.v[4 + l] = b.v[l];
-    return r;
-  }
+  static V dot_i4x2(W4x2 w, X4x2 x) { return dot_i5x2(W5x2{w_i4(w), w_i4(w + 16)}, x); }
   // GGUF Q5_K packed (quant_dot_body.inc's tile_i4_records with a plane): blocks b, b + 1 as dot_i4x2
   // takes them, each code plus 16 where its fifth bit is set. plane: 8 bytes, block b's 32 bits then
   // block b + 1's, bit j (little-endian) the fifth bit of stored position j (as W's v[j]).
-  struct W5x2 {
-    W a, b;
-  };
+
   static W5x2 w_i5x2(const uint8_t* w, const uint8_t* plane) {
     W5x2 r{w_i4(w), w_i4(w + 16)};
     for (int j = 0; j < kBlock; ++j) {
