@@ -38,7 +38,7 @@ def test_serve_logs_each_types_executed_form_and_bench_serve_drives_it(
     assert "GGUF weights F32: 5 tensor(s) as float32" in log
     if quant_kernels_or_none() is not None:
         assert "GGUF weights Q5_K: 12 tensor(s) executed as int4 g32 + a fifth-bit plane" in log
-        assert "GGUF weights Q6_K: 3 tensor(s) executed as int8 g16" in log
+        assert "GGUF weights Q6_K: 3 tensor(s) executed as int4 g16 + a plane of the high two bits" in log
 
 
 def test_throughput_bench_runs_a_gguf_file(capsys: pytest.CaptureFixture[str]) -> None:

@@ -82,7 +82,7 @@ def test_holds_the_files_factors_in_fewer_bytes_than_float32() -> None:
 
 def test_fused_q4_k_parts_join_with_their_records_beside_a_q6_k_part() -> None:
     """q/k in Q4_K and v in Q6_K (a Q4_K_M file): q and k join into one records weight (interleaved
-    rows kept), v stays int8 group 16."""
+    rows kept), v stays a Q6_K packed weight beside them."""
     (q, q_float), (k, k_float) = q4_k(32, 512, seed=5), q4_k(16, 512, seed=6)
     values = np.random.default_rng(7).standard_normal((16, 512)).astype(np.float32) * 0.05
     v = packed_from_blocks(unpack_blocks("Q6_K", encode_q6_k(values)[0], (16, 512)), "Q6_K", int8_activations=True)

@@ -22,15 +22,15 @@ With --gguf-int8-activations (the integer-dot kernels) Q4_K, Q5_K and Q6_K inste
 factors (`DOT_FORMS`), per super-block of 256: Q4_K float16 d and dmin and the 8 six-bit scales and
 mins a byte each, 0.5 + 20/256 = 0.578 bytes a weight (the file's 0.5625 but for the 6-bit fields'
 padding); Q5_K the same record beside int4 codes (the low 4 bits) and a plane of the fifth bits,
-0.5 + 0.125 + 20/256 = 0.703 (the file's 0.6875); Q6_K float16 d and the 16 int8 scales, 1 + 18/256 =
-1.070. The kernel expands d * sc (and -dmin * m) of the rows it multiplies, the same float32 values.
+0.5 + 0.125 + 20/256 = 0.703 (the file's 0.6875); Q6_K float16 d and the 16 int8 scales beside int4
+codes (the low 4 bits) and a plane of the high two, 0.5 + 0.25 + 18/256 = 0.820 (the file's). The
+kernel expands d * sc (and -dmin * m) of the rows it multiplies, the same float32 values.
 
-Q6_K's 6-bit codes sit in int8 (and Q5_K's in the exact path's form) because the kernels read 8- and
-4-bit codes (plus Q5_K's plane) only.
+Q5_K's codes sit in int8 in the exact path's form because the exact kernels read 8- and 4-bit codes only.
 Every other tensor (the embedding, norms, biases; every tensor when not packed) is held as floats.
 With --gguf-int8-activations a model whose lm_head is tied to the embedding also holds a packed copy
 of the embedding's blocks for the lm_head (`tied_lm_head_form`): the lookup keeps its float table, and
-each decode step reads the file's form (Q6_K: 1.07 bytes a weight) instead of the float table (2).
+each decode step reads the file's form (Q6_K: 0.82 bytes a weight) instead of the float table (2).
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class PackedForm:
 
     name: str  # as the start-up log and the planner say it
     group: int  # weights per scale (and offset), along a row
-    code_bits: int  # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN; 5: 4 and a bit plane
+    # 8: one int8 per weight; 4: two codes per byte, in spans of INT4_SPAN; 5 and 6: 4 and a plane of the rest
+    code_bits: int
     offsets: bool  # a float32 offset per group beside the scale
     half_scales: bool = False  # float16 scales (the file's); otherwise float32
     # bytes of a super-block record (256 weights) held instead of scales and offsets: K_RECORD_BYTES (Q4_K),
@@ -92,8 +93,8 @@ class PackedForm:
         """Bytes the packed weight of a [rows, cols] tensor holds (codes, scales, offsets)."""
         groups = -(-cols // self.group)
         codes = cols if self.code_bits == 8 else -(-cols // INT4_SPAN) * (INT4_SPAN // 2)
-        if self.code_bits == 5:
-            codes += -(-cols // 8)  # the fifth bits
+        if self.code_bits in (5, 6):
+            codes += -(-cols * (self.code_bits - 4) // 8)  # the bits above the int4 codes
         if self.record_bytes:
             return rows * (codes + -(-cols // QK_K) * self.record_bytes)
         scale = HALF_SCALE_BYTES if self.half_scales else SCALE_BYTES
@@ -115,7 +116,13 @@ DOT_FORMS = {
     "Q5_K": PackedForm(
         "int4 g32 + a fifth-bit plane, the file's super-block scales", 32, 5, True, record_bytes=K_RECORD_BYTES
     ),
-    "Q6_K": PackedForm("int8 g16, the file's super-block scales", 16, 8, False, record_bytes=Q6_RECORD_BYTES),
+    "Q6_K": PackedForm(
+        "int4 g16 + a plane of the high two bits, the file's super-block scales",
+        16,
+        6,
+        False,
+        record_bytes=Q6_RECORD_BYTES,
+    ),
 }
 
 
@@ -137,7 +144,7 @@ def is_linear_weight(name: str) -> bool:
 
 
 # ggml types whose blocks the integer-dot kernels read (groups of 32; Q6_K's of 16, two per activation
-# block; Q5_K's int8 codes with per-group offsets): --gguf-int8-activations
+# block; Q5_K's and Q6_K's codes as int4 codes and a plane of their higher bits): --gguf-int8-activations
 INT8_DOT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 

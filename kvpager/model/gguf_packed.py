@@ -5,8 +5,8 @@ become the packed formats of kvpager.model.backends.quant_weights without requan
 matmul computes with exactly the values gguf-py's dequantizer gives:
 
 - Q8_0 -> Int8Weight group 32, the file's float16 scales; Q6_K -> Int8Weight group 16 (codes q - 32,
-  scale d*sc, float32); with int8 activations Q6ScaledInt8DotWeight (the same codes, the file's d and
-  sc, expanded by the kernel).
+  scale d*sc, float32); with int8 activations Q6PackedDotWeight (q's low 4 bits as int4 codes, its high
+  two in a plane, the file's d and sc, expanded by the kernel).
 - Q4_0 -> Int4Weight group 32, symmetric (codes q, the file's float16 scale d; the offset -8d is not
   stored).
 - Q4_K -> Int4Weight group 32 (codes q, scale d*sc, offset -dmin*m); with int8 activations
@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from kvpager.gguf.blocks import BlockCodes
 from kvpager.gguf.executed import INT8_DOT_TYPES, PACKED_FORMS
 from kvpager.model.backends.k_scales import (
+    FMT_HI_PLANE,
+    INT4_NATURAL,
     KScaledInt4DotWeight,
-    Q6ScaledInt8DotWeight,
+    Q6PackedDotWeight,
     expand_k_records,
 )
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
@@ -49,6 +51,8 @@ from kvpager.model.backends.quant_weights import (
 )
 
 __all__ = [
+    "FMT_HI_PLANE",
+    "INT4_NATURAL",
     "INT8_DOT_TYPES",
     "AffineInt8DotWeight",
     "AffineInt8Weight",
@@ -74,7 +78,7 @@ def packed_from_blocks(blocks: BlockCodes, type_name: str, *, int8_activations: 
         return KScaledInt4DotWeight.from_k_codes(codes, torch.from_numpy(np.ascontiguousarray(blocks.k_records)))
     if type_name == "Q6_K" and int8_activations and blocks.q6_records is not None:
         records = torch.from_numpy(np.ascontiguousarray(blocks.q6_records))
-        return Q6ScaledInt8DotWeight(codes.to(torch.int8), records)
+        return Q6PackedDotWeight.from_q6_values(codes, records)
     if type_name in ("Q4_0", "Q4_K"):
         assert blocks.offsets is not None
         int4 = Int4DotWeight if int8_activations else Int4Weight
@@ -186,10 +190,6 @@ class AffineInt8DotWeight(Int8DotWeight):
         return self.qweight.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr()
 
 
-# Stored position j of an int4 block holds the code of natural position INT4_NATURAL[j] (the kernels'
-# int4_natural: 8-code spans, low nibbles then high ones).
-INT4_NATURAL = [(0, 16, 8, 24)[j // 8] + j % 8 for j in range(32)]
-FMT_HI_PLANE = 4096  # or'ed into FMT_INT4 | FMT_K_SCALES: the `offsets` pointer is the fifth-bit plane (kHiPlane)
 # Which of a block's plane bytes (byte i: stored positions 8i..8i+7) holds natural positions 8j..8j+7,
 # and each byte value's 8 bits, little-endian, times 16.
 PLANE_BYTE_ORDER = [INT4_NATURAL.index(8 * j) // 8 for j in range(4)]
@@ -333,8 +333,8 @@ def _merge(run: list[PackedWeight]) -> PackedWeight:
         return KScaledInt4DotWeight.cat([p for p in run if isinstance(p, KScaledInt4DotWeight)])
     if isinstance(run[0], AffineInt8DotWeight):
         return AffineInt8DotWeight.cat([p for p in run if isinstance(p, AffineInt8DotWeight)])
-    if isinstance(run[0], Q6ScaledInt8DotWeight):
-        return Q6ScaledInt8DotWeight.cat([p for p in run if isinstance(p, Q6ScaledInt8DotWeight)])
+    if isinstance(run[0], Q6PackedDotWeight):  # its plane joins too
+        return Q6PackedDotWeight.cat([p for p in run if isinstance(p, Q6PackedDotWeight)])
     if isinstance(run[0], AffineInt8Weight):
         affine = [p for p in run if isinstance(p, AffineInt8Weight)]
         inner = cat_rows([p.inner for p in affine])

@@ -10,9 +10,10 @@ decode tiles super-block by super-block in registers, its prompt panels through 
 CPU hands large batches to, the bfloat16 GEMM, dequantize) goes through `float_form()`, an
 Int4DotWeight sharing the codes with the factors expanded for that call.
 
-Q6_K likewise (Q6ScaledInt8DotWeight): its scale d * sc per group of 16 held as float32 costs 0.25
-bytes a weight beside the int8 codes; per row and super-block of 256 the file's float16 d and 16 int8
-sc (Q6_RECORD_BYTES = 18) cost 0.07 (kQ6Scales in the kernel).
+Q6_K likewise (Q6PackedDotWeight): its scale d * sc per group of 16 held as float32 would cost 0.25
+bytes a weight, its 6-bit codes as int8 1; it holds per row and super-block of 256 the file's float16
+d and 16 int8 sc (Q6_RECORD_BYTES = 18: 0.07 bytes a weight), the codes' low 4 bits as int4 codes and
+their high two in a plane (kQ6Scales with kHiPlane in the kernel): 0.82 bytes a weight, the file's.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, QK_K
 from kvpager.model.backends.quant_dot import (
     Int4DotWeight,
     Int8DotWeight,
-    _int8_rows_interleave_here,
     check_dynamic_group,
 )
-from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_INT8, FMT_ROWS4
+from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4
 from kvpager.model.backends.quant_weights import (
     PackedWeight,
     _interleavable,
@@ -40,7 +40,18 @@ K_GROUPS = K_SUPER // 32  # groups of 32 per super-block
 FMT_K_SCALES = 1024  # or'ed into FMT_INT4: `scales` holds the records (kKScales in kernels/quant_dot.cpp)
 Q6_GROUP = 16  # weights per Q6_K scale
 Q6_GROUPS = QK_K // Q6_GROUP  # scales per super-block
-FMT_Q6_SCALES = 2048  # or'ed into FMT_INT8: `scales` holds Q6_K's records (kQ6Scales in kernels/quant_dot.cpp)
+# or'ed into FMT_INT4 | FMT_HI_PLANE: `scales` holds Q6_K's records (kQ6Scales in kernels/quant_dot.cpp)
+FMT_Q6_SCALES = 2048
+# or'ed into FMT_INT4 | FMT_K_SCALES (GGUF Q5_K) or FMT_INT4 | FMT_Q6_SCALES (GGUF Q6_K): the `offsets`
+# pointer is a plane of the codes' bits above the int4 codes (kHiPlane)
+FMT_HI_PLANE = 4096
+# Stored position j of an int4 block holds the code of natural position INT4_NATURAL[j] (the kernels'
+# int4_natural: 8-code spans, low nibbles then high ones). The order is its own inverse.
+INT4_NATURAL = [(0, 16, 8, 24)[j // 8] + j % 8 for j in range(32)]
+# A Q6_K packed plane's block pair (blocks 2i, 2i + 1 of a row) is 16 bytes; byte j holds the two high
+# bits of stored position j + 16h of the pair's block e at bit Q6_PLANE_SHIFTS[e][h] (kernels/quant_dot.cpp).
+Q6_PLANE_SHIFTS = ((0, 4), (2, 6))
+PACK_CHUNK_ROWS = 1024  # rows Q6PackedDotWeight.from_q6_values packs at a time
 
 
 def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,65 +165,102 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
-class Q6ScaledInt8DotWeight(_FileScales, Int8DotWeight):
-    """int8 codes (group 16, as Int8DotWeight holds GGUF Q6_K) with Q6_K's super-block records for scales.
+class Q6PackedDotWeight(_FileScales, Int4DotWeight):
+    """GGUF Q6_K times int8 activations in the file's 0.82 bytes a weight: the 6-bit codes' low 4 bits as
+    int4 codes (Int4DotWeight's layout, interleaved as it does), their high two bits in a plane
+    [N, K / 4] (Q6_PLANE_SHIFTS), Q6_K's records for the scales of the groups of 16; the values are
+    code - 32. The kernel's Q6_K packed tiles and panels read them (kQ6Scales with kHiPlane on int4 codes
+    in kernels/quant_dot.cpp). The exact and bfloat16 paths run float_form(), whose int8 codes hold the
+    same values in 1.07 bytes a weight with the records."""
 
-    `qweight` [N, K] int8 in the plain layout (interleaved here as Int8DotWeight does), values within
-    CODES (the kernel's prompt panels sum them in int16 on that promise), `records` [N, K / 256,
-    Q6_RECORD_BYTES] uint8; K a multiple of 256."""
-
-    CODES = (-32, 31)  # the file's 6-bit codes minus 32
-
-    def __init__(self, qweight: torch.Tensor, records: torch.Tensor, interleave: bool | None = None) -> None:
-        out_features, in_features = qweight.shape
-        _check_records("Q6ScaledInt8DotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
-        if qweight.dtype != torch.int8:
-            raise ValueError(f"Q6ScaledInt8DotWeight: codes must be int8, got {qweight.dtype}")
-        low, high = self.CODES
-        if qweight.numel() and (int(qweight.min()) < low or int(qweight.max()) > high):
-            raise ValueError(f"Q6ScaledInt8DotWeight: codes must lie in {low}..{high}")
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        plane: torch.Tensor,
+        records: torch.Tensor,
+        in_features: int,
+        interleave: bool | None = None,
+    ) -> None:
         PackedWeight.__init__(self)
-        check_dynamic_group(self.method, Q6_GROUP, in_features)
-        if interleave is None:
-            interleave = self.INTERLEAVE and _int8_rows_interleave_here()
-        self.interleave = interleave
-        short = in_features <= self.INTERLEAVE_MAX_ROW_BYTES
-        self.interleaved = interleave and short and _interleavable(qweight)
-        self.qweight = interleave_rows(qweight) if self.interleaved else qweight.contiguous()
+        out_features = packed.shape[0]
+        _check_records("Q6PackedDotWeight", records, out_features, in_features, Q6_RECORD_BYTES)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2):
+            raise ValueError(f"Q6PackedDotWeight: packed must be uint8 [N, K / 2], got {tuple(packed.shape)}")
+        if plane.dtype != torch.uint8 or tuple(plane.shape) != (out_features, in_features // 4):
+            raise ValueError(f"Q6PackedDotWeight: plane must be uint8 [N, K / 4], got {tuple(plane.shape)}")
+        self.interleave = self.INTERLEAVE if interleave is None else interleave
+        self.interleaved = self.interleave and _interleavable(packed)
+        self.packed = interleave_rows(packed) if self.interleaved else packed.contiguous()
+        self.plane, self.records = plane.contiguous(), records.contiguous()
         self.out_features, self.in_features, self.group_size = out_features, in_features, Q6_GROUP
-        self.records = records.contiguous()
 
     @classmethod
-    def cat(cls, parts: list[Q6ScaledInt8DotWeight]) -> Q6ScaledInt8DotWeight:
+    def from_q6_values(
+        cls, values: torch.Tensor, records: torch.Tensor, interleave: bool | None = None
+    ) -> Q6PackedDotWeight:
+        """From Q6_K's values [N, K] (integers -32..31: the file's codes minus 32, kvpager.gguf.blocks's
+        `codes`, natural order) and the records."""
+        if values.numel() and (int(values.min()) < -32 or int(values.max()) > 31):
+            raise ValueError("Q6PackedDotWeight.from_q6_values: values must lie in -32..31")
+        n, k = values.shape
+        if k % K_SUPER:
+            raise ValueError(f"Q6PackedDotWeight.from_q6_values: K must be a multiple of {K_SUPER}, got {k}")
+        packed = torch.empty((n, k // 2), dtype=torch.uint8)
+        plane = torch.empty((n, k // 4), dtype=torch.uint8)
+        shifts = torch.tensor(Q6_PLANE_SHIFTS, dtype=torch.uint8).view(2, 2, 1)
+        for r0 in range(0, n, PACK_CHUNK_ROWS):  # chunks of rows: a lm_head's temporaries stay small
+            chunk = (values[r0 : r0 + PACK_CHUNK_ROWS].to(torch.int16) + 32).to(torch.uint8)  # the codes
+            rows = chunk.shape[0]
+            high = (chunk >> 4).view(rows, k // 32, 32)[..., INT4_NATURAL]  # stored order
+            pairs = high.view(rows, k // 64, 2, 2, 16) << shifts
+            plane[r0 : r0 + rows] = pairs.sum((2, 3), dtype=torch.uint8).view(rows, k // 4)
+            packed[r0 : r0 + rows] = _pack_int4(chunk & 15)
+        return cls(packed, plane, records, k, interleave)
+
+    @classmethod
+    def cat(cls, parts: list[Q6PackedDotWeight]) -> Q6PackedDotWeight:
         """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
-        records = torch.cat([p.records for p in parts])
-        return join_rows(parts, lambda qweight, interleave: cls(qweight, records, interleave))
+        records, plane, k = (
+            torch.cat([p.records for p in parts]),
+            torch.cat([p.plane for p in parts]),
+            parts[0].in_features,
+        )
+        return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
+
+    def codes(self) -> torch.Tensor:
+        """The 6-bit codes [N, K] uint8 (natural order)."""
+        n, k = self.out_features, self.in_features
+        pairs = self.plane.view(n, k // 64, 1, 1, 16) >> torch.tensor(Q6_PLANE_SHIFTS, dtype=torch.uint8).view(2, 2, 1)
+        high = (pairs & 3).view(n, k // 32, 32)[..., INT4_NATURAL].reshape(n, k)
+        return super().codes() + (high << 4)
 
     def float_form(self) -> Int8DotWeight:
-        """The same weight as Int8DotWeight (float32 scales, expanded now; the codes shared)."""
-        weight = Int8DotWeight(self.qweight, expand_q6_records(self.records), Q6_GROUP, interleave=False)
-        weight.interleave, weight.interleaved = self.interleave, self.interleaved
+        """The same weight as Int8DotWeight (int8 values code - 32, float32 scales, expanded now)."""
+        values = (self.codes().to(torch.int16) - 32).to(torch.int8)
+        weight = Int8DotWeight(values, expand_q6_records(self.records), Q6_GROUP, interleave=False)
         weight.max_level = self.max_level
         return weight
 
     def kernel_fmt(self) -> int:
-        return FMT_INT8 | FMT_Q6_SCALES | (FMT_ROWS4 if self.interleaved else 0)
+        return FMT_INT4 | FMT_Q6_SCALES | FMT_HI_PLANE | (FMT_ROWS4 if self.interleaved else 0)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.qweight, self.records)
+        return (self.packed, self.plane, self.records)
 
     def digest_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.plain_qweight(), self.records)
+        return (self.plain_packed(), self.plane, self.records)
 
     def _pointers(self) -> tuple[int, int | None, int | None]:
-        return self.qweight.data_ptr(), self.records.data_ptr(), None
+        return self.packed.data_ptr(), self.records.data_ptr(), self.plane.data_ptr()
 
 
 __all__ = [
+    "FMT_HI_PLANE",
     "FMT_K_SCALES",
     "FMT_Q6_SCALES",
+    "INT4_NATURAL",
     "KScaledInt4DotWeight",
-    "Q6ScaledInt8DotWeight",
+    "Q6PackedDotWeight",
     "expand_k_records",
     "expand_q6_records",
 ]

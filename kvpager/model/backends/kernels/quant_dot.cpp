@@ -11,7 +11,7 @@
 // where x_hat = d * q is the quantized activation: the result equals a float32 matmul of the
 // dequantized weight with x_hat, up to float32 rounding of the accumulation.
 // Groups must be multiples of 32 (a block never straddles two), the whole row (int8 per channel), or
-// 16 for int8 (two scales per block, one per half: GGUF Q6_K).
+// 16 (two scales per block, one per half: int8, or GGUF Q6_K's packed codes).
 //
 // Three builds of quant_dot_body.inc, chosen per call: AVX-512 VNNI (vpdpbusd, where the CPU has
 // AVX512-VNNI and AVX512VL/BW), AVX2 + FMA, and portable C++. All scale with a fused multiply-add
@@ -51,7 +51,7 @@ struct DotPacked {
   int64_t blocks;        // activation blocks per row: ceil(K / 32)
   int64_t full_blocks;   // blocks whose weight bytes lie wholly inside the stored row
   int64_t group_blocks;  // blocks per group
-  bool half_blocks;      // int8, group 16: two groups per block (GGUF Q6_K's scales)
+  bool half_blocks;      // group 16: two groups per block (int8; GGUF Q6_K's packed codes)
   const void* w;
   const void* scales;    // float32, or IEEE float16 when half_scales (the kernels' SC: float / uint16_t)
   bool half_scales;
@@ -64,7 +64,7 @@ struct DotPacked {
   bool scale_prefetch;      // whether the tiles prefetch the next tile's scale rows (not in a KRows view)
   const uint8_t* k_records;  // fmt | kKScales: GGUF Q4_K's super-block records (scales, offsets null)
   const uint8_t* q6_records;  // fmt | kQ6Scales: GGUF Q6_K's super-block records (scales null)
-  const uint8_t* hi_plane;    // fmt | kHiPlane: GGUF Q5_K's fifth bits (int4 codes, kKScales records)
+  const uint8_t* hi_plane;    // fmt | kHiPlane: GGUF Q5_K's fifth bits or Q6_K's high two (int4 codes)
 };
 
 // quant.cpp's: a format value with this bit set says the scales are IEEE float16 (GGUF Q8_0 / Q4_0).
@@ -97,13 +97,18 @@ constexpr int64_t kKRecord = 20;
 constexpr int64_t kHiPlane = 4096;
 constexpr int64_t kPlaneBytesPerBlock = 4;
 
-// A format value with this bit set holds GGUF Q6_K's scales as the file does (int8, group 16, K a
-// multiple of 256): per row, one kQ6Record-byte record per super-block of kQ6Groups groups: float16 d,
-// then the kQ6Groups int8 scales sc. Group g's scale is d * sc[g], exact in float32 (the float32 form's
-// value, the same bits). 1.07 bytes a weight where the float32 form holds 1.25.
+// A format value with this bit set, with kHiPlane on int4 codes, holds GGUF Q6_K's 6-bit codes and
+// scales as the file does (group 16, K a multiple of 256): the int4 codes are the codes' low 4 bits,
+// `offsets` points at a plane of their two high bits, uint8 [N, K / 4] (per pair of blocks, b even, 16
+// bytes: byte i holds 2 bits each, from bit 0, of block b's stored position i, block b + 1's i, block
+// b's 16 + i, block b + 1's 16 + i: S::q6_plane_bits), and `scales` per row one kQ6Record-byte record
+// per super-block of kQ6Groups groups: float16 d, then the kQ6Groups int8 scales sc. The values are
+// code - 32, group g's scale d * sc[g] (exact in float32): 0.82 bytes a weight, the file's, where int8
+// codes with float32 scales hold 1.25. The VNNI build has no such tile: the AVX2 build runs it there.
 constexpr int64_t kQ6Scales = 2048;
 constexpr int64_t kQ6Groups = 16;
 constexpr int64_t kQ6Record = 18;
+constexpr int64_t kQ6PlaneBytesPerBlock = 8;
 
 // quant.cpp's: a symmetric int4 group's offset per unit of its scale (codes 0..15 stand for -8..7).
 constexpr float kSymmetricOffset = -8.0f;
@@ -166,8 +171,8 @@ int64_t kvq_dot_panel_rows(int64_t max_level) {
 // fmt | kHalfScales: `scales` holds IEEE float16; fmt | kvq_int4::kRowsBit: rows interleaved (int4_rows.h;
 // int8: on the AVX2 or portable path, whatever max_level allows); fmt | kKScales: `scales` holds Q4_K's
 // or Q5_K's super-block records (int4, group 32, K a multiple of 256, `offsets` null, but with
-// kHiPlane: `offsets` is the plane of Q5_K's fifth bits); fmt | kQ6Scales: Q6_K's
-// (int8, group 16, K a multiple of 256, `offsets` null).
+// kHiPlane: `offsets` is the plane of Q5_K's fifth bits); fmt | kQ6Scales | kHiPlane: Q6_K's (int4,
+// group 16, K a multiple of 256, `offsets` the plane of the codes' high two bits).
 // int8 takes `offsets` too (float32 [N, groups], groups a multiple of 32): y gains offset[n, g] times the
 // group's sum of the quantized activations, as int4's asymmetric groups do.
 // Returns 0, or -1 when the group size is neither a multiple of 32 nor K, int8 offsets come with other
@@ -179,15 +184,15 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   const bool half_scales = (fmt & kHalfScales) != 0, rows4 = (fmt & kvq_int4::kRowsBit) != 0;
   const bool k_scales = (fmt & kKScales) != 0, q6_scales = (fmt & kQ6Scales) != 0, plane = (fmt & kHiPlane) != 0;
   fmt &= ~(kHalfScales | kvq_int4::kRowsBit | kKScales | kQ6Scales | kHiPlane);
-  if (plane && (!k_scales || fmt != kFmtInt4 || offsets == nullptr)) return -1;
+  if (plane && (k_scales == q6_scales || fmt != kFmtInt4 || offsets == nullptr)) return -1;
+  if (q6_scales && !plane) return -1;
   const uint8_t* hi_plane = plane ? reinterpret_cast<const uint8_t*>(offsets) : nullptr;
   if (plane) offsets = nullptr;  // the pointer was the plane's
-  const bool half = fmt == kFmtInt8 && group == B / 2 && K != group;
+  const bool half = (fmt == kFmtInt8 || q6_scales) && group == B / 2 && K != group;
   if (group < 1 || (group % B != 0 && group != K && !half) || (fmt != kFmtInt8 && fmt != kFmtInt4)) return -1;
   if (k_scales && (fmt != kFmtInt4 || group != B || K % (B * kKGroups) != 0 || half_scales || offsets)) return -1;
   if (fmt == kFmtInt8 && offsets && (half || group % B != 0)) return -1;  // offsets: whole activation blocks
-  if (q6_scales && (k_scales || fmt != kFmtInt8 || group != B / 2 || K % (B / 2 * kQ6Groups) != 0 || half_scales ||
-                    offsets))
+  if (q6_scales && (group != B / 2 || K % (B / 2 * kQ6Groups) != 0 || half_scales))
     return -1;
   if (M <= 0 || N <= 0) return 0;
   DotPacked p{};
@@ -214,7 +219,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   const bool int4 = fmt == kFmtInt4;
   // interleaved int8 rows have no VNNI instantiation (its block pairs read plain rows): the AVX2 build
   // runs them there (the weights' classes interleave int8 only where the VNNI build is not the path)
-  // (nor has Q5_K's fifth-bit plane: the AVX2 build runs those too)
+  // (nor have the Q5_K and Q6_K planes: the AVX2 build runs those too)
   const int64_t level =
       std::min(dot_level_for(max_level), (int4 && !plane) || (!int4 && !p.interleaved) ? kLevelVnni : kLevelAvx2);
   const int threads = static_cast<int>(N * K * M >= (1 << 15) ? std::max<int64_t>(1, num_threads) : 1);
@@ -226,7 +231,7 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   else
 #endif
     portable::quantize_rows(x, M, K, p.blocks, int4, q.data(), d.data(), threads);
-  if (int4 || offsets) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
+  if ((int4 && !q6_scales) || offsets) {  // the zero-point term's group sums: sum_b d_b * sum(q_b), block after block
     xs.assign(static_cast<size_t>(M * p.num_groups), 0.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < p.blocks; ++b) {

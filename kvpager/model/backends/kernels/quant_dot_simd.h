@@ -193,6 +193,39 @@ struct Portable {
     for (int l = 0; l < 4; ++l) r.v[l] = a.v[l], r.v[4 + l] = b.v[l];
     return r;
   }
+  // GGUF Q6_K packed (quant_dot_body.inc's tile_q6_packed): blocks b, b + 1 as dot_i4x2 takes them,
+  // each code plus 16 times its two high bits from the pair's 16 plane bytes (q6_plane_bits), minus 32:
+  // the weight values, -32..31. The AVX2 build keeps the codes unsigned and subtracts 32 times the
+  // activations' sums instead (C6); the same integers.
+  static W5x2 w_i6x2(const uint8_t* w, const uint8_t* plane) {
+    W5x2 r{w_i4(w), w_i4(w + 16)};
+    for (int j = 0; j < kBlock; ++j) {
+      r.a.v[j] = static_cast<int16_t>(r.a.v[j] + 16 * q6_plane_bits(plane, 0, j) - 32);
+      r.b.v[j] = static_cast<int16_t>(r.b.v[j] + 16 * q6_plane_bits(plane, 1, j) - 32);
+    }
+    return r;
+  }
+  // The two high bits of stored position j of block `odd` (0: b, 1: b + 1) of a pair's 16 plane bytes:
+  // byte j % 16, bits 2 * odd + 4 * (j / 16) and up (block b's low-nibble positions at bits 0-1, block
+  // b + 1's at 2-3, their high-nibble positions at 4-5 and 6-7).
+  static int q6_plane_bits(const uint8_t* plane, int odd, int j) { return (plane[j % 16] >> (2 * odd + 4 * (j / 16))) & 3; }
+  using C6 = int;  // (the AVX2 build's correction; the portable codes are signed already)
+  static C6 x_sum32(X4x2) { return 0; }
+  static V dot_i6x2(const W5x2& w, X4x2 x, C6) { return dot_i5x2(w, x); }
+  // Lanes 2i, 2i + 1 = s[4P + i]: a block pair's four group-16 scales (of a super-block's 16 at s) over
+  // dot_i6x2's lanes (lanes 0, 1 of a block: its natural positions 0..15; lanes 2, 3: 16..31).
+  template <int P>
+  static V q6_pair(const float* s) {
+    V r;
+    for (int l = 0; l < 8; ++l) r.v[l] = s[4 * P + l / 2];
+    return r;
+  }
+  // A Q6_K packed block's 32 values (code - 32) in stored order, for the prompt panels: w its 16 stored
+  // bytes, plane its pair's 16 plane bytes, odd whether it is the pair's second block.
+  static void q6_values(const uint8_t* w, const uint8_t* plane, int odd, int8_t* out) {
+    for (int j = 0; j < kBlock; ++j)
+      out[j] = static_cast<int8_t>((j < 16 ? w[j] & 0xF : w[j - 16] >> 4) + 16 * q6_plane_bits(plane, odd, j) - 32);
+  }
   // Adds the fifth bits of a panel's block (pack_codes8's layout, [group g][row c][4]: positions 4g..4g+3
   // in stored order) from each row's 4 plane bytes (rows past `cols`: none).
   static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
@@ -273,14 +306,17 @@ struct Portable {
   // tiles' step). kHalf (group 16): the block's halves, positions 0..15 and 16..31, each with its own
   // factor (s[c] and s[8 + c]), low half first. kRange (kI8Full, kI8Small: values within -32..32) only
   // changes how the AVX2 build sums; the integer dots are exact either way.
-  template <int R, bool kHalf, int kRange>
+  // kStored (GGUF Q6_K packed): the block is in int4 stored order (int4_natural), where the halves are
+  // groups 0, 1, 4, 5 (natural positions 0..15) and 2, 3, 6, 7.
+  template <int R, bool kHalf, int kRange, bool kStored = false>
   static void panel_block_i8(const int8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], const float* s,
                              V (&acc)[R]) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 8; ++c) {
         int32_t t[2] = {0, 0};
         for (int g = 0; g < 8; ++g)
-          for (int e = 0; e < 4; ++e) t[g / 4] += static_cast<int32_t>(wb[32 * g + 4 * c + e]) * x[r][4 * g + e];
+          for (int e = 0; e < 4; ++e)
+            t[kStored ? g / 2 % 2 : g / 4] += static_cast<int32_t>(wb[32 * g + 4 * c + e]) * x[r][4 * g + e];
         if constexpr (kHalf) {
           acc[r].v[c] = std::fma(static_cast<float>(t[0]), d[r] * s[c], acc[r].v[c]);
           acc[r].v[c] = std::fma(static_cast<float>(t[1]), d[r] * s[8 + c], acc[r].v[c]);
@@ -456,6 +492,51 @@ struct Avx2 {
   }
   // codes up to 31: a pair sum is at most 2 * 31 * 127, two of them fit int16 (dot_i4x2's sums)
   static V dot_i5x2(const W5x2& w, const X4x2& x) { return dot_i4x2(w, x); }
+  // Portable::w_i6x2 with the codes unsigned (0..63): the pair's 16 plane bytes in both 128-bit halves;
+  // a nibble of a plane byte holds two positions' bits (block b's, block b + 1's: q6_plane_bits), and a
+  // table lookup per 128-bit half (vpshufb: block b's half takes bits 0-1, block b + 1's bits 2-3) gives
+  // 16 times the lane's own.
+  static W4x2 w_i6x2(const uint8_t* w, const uint8_t* plane) {
+    W4x2 r = w_i4x2(w);
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    const __m256i m = _mm256_set1_epi8(0xF);
+    const __m256i table = _mm256_setr_epi8(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48,  //
+                                           0, 0, 0, 0, 16, 16, 16, 16, 32, 32, 32, 32, 48, 48, 48, 48);
+    r.lo = _mm256_or_si256(r.lo, _mm256_shuffle_epi8(table, _mm256_and_si256(v, m)));
+    r.hi = _mm256_or_si256(r.hi, _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m)));
+    return r;
+  }
+  // 32 times each int16 pair sum of an activation pair (both nibble halves added): |.| <= 2 * 2 * 32 * 127
+  using C6 = __m256i;
+  static C6 x_sum32(const X4x2& x) {
+    const __m256i k = _mm256_set1_epi8(32);
+    return _mm256_add_epi16(_mm256_maddubs_epi16(k, x.lo), _mm256_maddubs_epi16(k, x.hi));
+  }
+  // dot_i4x2 on codes 0..63 (a pair sum at most 2 * 63 * 127, two of them 32004: int16) minus x_sum32:
+  // wrapping int16 arithmetic whose result, the dot of the values -32..31 (|.| <= 4 * 32 * 127), fits
+  static V dot_i6x2(const W4x2& w, const X4x2& x, C6 c) {
+    const __m256i p16 =
+        _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x.lo), _mm256_maddubs_epi16(w.hi, x.hi));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_sub_epi16(p16, c), _mm256_set1_epi16(1)));
+  }
+  template <int P>
+  static V q6_pair(const float* s) {  // Portable::q6_pair
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * P)),
+                                    _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  }
+  static void q6_values(const uint8_t* w, const uint8_t* plane, int odd, int8_t* out) {  // Portable::q6_values
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)), m = _mm_set1_epi8(0xF);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m), _mm_and_si128(p, m));
+    // 16 times a nibble's bits 0-1 (block b) or 2-3 (block b + 1)
+    const __m256i table = odd ? _mm256_setr_epi8(0, 0, 0, 0, 16, 16, 16, 16, 32, 32, 32, 32, 48, 48, 48, 48,  //
+                                                 0, 0, 0, 0, 16, 16, 16, 16, 32, 32, 32, 32, 48, 48, 48, 48)
+                              : _mm256_setr_epi8(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48,  //
+                                                 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48);
+    const __m256i v = _mm256_or_si256(codes, _mm256_shuffle_epi8(table, nibbles));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
+  }
   static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
     Portable::add_plane8(plane, cols, dst);
   }
@@ -548,16 +629,18 @@ struct Avx2 {
   // row r's 4 activations broadcast with w's signs (vpmaddubsw: a pair sum is at most 2 * 128 * 127, so
   // it fits int16 once), each group's pair sums widened to int32 (vpmaddwd) and added. kI8Small (|w| <=
   // 32): a half block's 4 groups add up in int16 first (4 * 2 * 32 * 127 fits), one vpmaddwd per half.
-  template <int R, bool kHalf, int kRange>
+  template <int R, bool kHalf, int kRange, bool kStored = false>
   static void panel_block_i8(const int8_t* wb, const int8_t* const (&x)[R], const float (&d)[R], const float* s,
                              V (&acc)[R]) {
     constexpr int H = kHalf ? 2 : 1;
+    constexpr int kAt[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // kStored: the groups of half h are kAt[4h .. 4h + 3]
     constexpr bool kSmall = kRange == kI8Small;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i t[R][H];
     for (int h = 0; h < 2; ++h) {
       __m256i t16[R];
-      for (int g = 4 * h; g < 4 * h + 4; ++g) {
+      for (int i = 4 * h; i < 4 * h + 4; ++i) {
+        const int g = kStored ? kAt[i] : i;
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
         const __m256i aw = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
@@ -565,12 +648,12 @@ struct Avx2 {
           std::memcpy(&four, x[r] + 4 * g, sizeof four);
           const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(four), w));
           if constexpr (kSmall) {
-            t16[r] = g == 4 * h ? p : _mm256_add_epi16(t16[r], p);
+            t16[r] = i == 4 * h ? p : _mm256_add_epi16(t16[r], p);
             __asm__("" : "+x"(t16[r]));  // one running sum per row (as panel_block)
           } else {
             const __m256i q = _mm256_madd_epi16(p, ones);
             __m256i& dst = t[r][kHalf ? h : 0];
-            dst = g == 4 * h && (kHalf || h == 0) ? q : _mm256_add_epi32(dst, q);
+            dst = i == 4 * h && (kHalf || h == 0) ? q : _mm256_add_epi32(dst, q);
             __asm__("" : "+x"(dst));
           }
         }
