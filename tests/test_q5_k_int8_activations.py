@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from kquants import encode_q5_k
+from plane_checks import assert_exact_and_bf16_paths_match_the_reference, assert_portable_gives_the_avx2_bits
 
 from kvpager.gguf.blocks import K_RECORD_BYTES, unpack_blocks
 from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS
@@ -24,9 +25,7 @@ from kvpager.model.backends.quant_dot import fake_quantize_activations, referenc
 from kvpager.model.backends.quant_kernels import (
     FMT_INT4,
     FMT_INT8,
-    LEVEL_AVX2,
     LEVEL_PORTABLE,
-    load_quant_kernels,
     quant_kernels_or_none,
 )
 from kvpager.model.gguf_packed import (
@@ -82,16 +81,7 @@ def test_the_plane_holds_each_codes_fifth_bit_where_the_kernel_reads_it() -> Non
 
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])
 def test_portable_gives_the_avx2_bits(rows: int, cols: int) -> None:
-    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
-        pytest.skip("this CPU has no AVX2: only the portable build runs (held to the reference below)")
-    weight = q5_k(rows, cols, seed=rows)
-    gen = torch.Generator().manual_seed(2)
-    for m in (1, 2, 3, 16, 33):  # one-row tiles, row pairs, the prompt panels
-        x = torch.randn(m, cols, generator=gen)
-        weight.max_level = LEVEL_PORTABLE
-        portable = weight.dot_kernel(x)
-        weight.max_level = LEVEL_AVX2
-        assert torch.equal(weight.dot_kernel(x), portable), m
+    assert_portable_gives_the_avx2_bits(q5_k(rows, cols, seed=rows), torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -137,12 +127,8 @@ def test_the_offsets_are_material_in_these_weights() -> None:
 
 
 def test_exact_and_bf16_paths_match_the_reference() -> None:
-    weight = q5_k(20, 512, seed=5)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
-    ref = x.double() @ weight.dequantize(torch.float64).T
-    assert torch.allclose(weight.exact_matmul(x, None).double(), ref, rtol=1e-5, atol=1e-5)
-    ref_bf16 = torch.nn.functional.linear(x.bfloat16(), weight.dequantize(torch.bfloat16)).float()
-    assert torch.equal(weight.bf16_matmul(x, None), ref_bf16)
+    assert_exact_and_bf16_paths_match_the_reference(q5_k(20, 512, seed=5), x)
 
 
 def test_fused_parts_join_with_their_offsets() -> None:

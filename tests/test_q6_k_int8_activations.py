@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from kquants import encode_q6_k
+from plane_checks import ROWS, assert_exact_and_bf16_paths_match_the_reference, assert_portable_gives_the_avx2_bits
 
 from kvpager.gguf.blocks import Q6_RECORD_BYTES, unpack_blocks
 from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS
@@ -32,17 +33,12 @@ from kvpager.model.backends.quant_dot import reference_matmul
 from kvpager.model.backends.quant_kernels import (
     FMT_INT4,
     FMT_INT8,
-    LEVEL_AVX2,
     LEVEL_PORTABLE,
-    load_quant_kernels,
     quant_kernels_or_none,
 )
 from kvpager.model.gguf_packed import packed_from_blocks, stack_rows
 
 pytestmark = pytest.mark.skipif(quant_kernels_or_none() is None, reason="packed-weight kernels did not build here")
-
-# batches of one row, row pairs and a remainder, a decode batch, the prompt panels (kvq_dot_panel_rows)
-ROWS = (1, 2, 3, 16, 33)
 
 
 def q6_k(rows: int, cols: int, seed: int) -> Q6PackedDotWeight:
@@ -101,16 +97,7 @@ def test_kernel_meets_the_reference(portable: bool, rows: int, cols: int) -> Non
 
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])
 def test_portable_gives_the_avx2_bits(rows: int, cols: int) -> None:
-    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
-        pytest.skip("this CPU has no AVX2: only the portable build runs (held to the reference above)")
-    weight = q6_k(rows, cols, seed=rows)
-    gen = torch.Generator().manual_seed(2)
-    for m in ROWS:
-        x = torch.randn(m, cols, generator=gen) * 3
-        weight.max_level = LEVEL_PORTABLE
-        portable = weight.dot_kernel(x)
-        weight.max_level = LEVEL_AVX2
-        assert torch.equal(weight.dot_kernel(x), portable), m
+    assert_portable_gives_the_avx2_bits(q6_k(rows, cols, seed=rows), torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("value", [31, -32])
@@ -147,12 +134,8 @@ def test_negative_scales_keep_their_sign_in_the_kernel() -> None:
 
 
 def test_exact_and_bf16_paths_match_the_reference() -> None:
-    weight = q6_k(20, 512, seed=3)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
-    ref = x.double() @ weight.dequantize(torch.float64).T
-    assert torch.allclose(weight.exact_matmul(x, None).double(), ref, rtol=1e-5, atol=1e-5)
-    ref_bf16 = torch.nn.functional.linear(x.bfloat16(), weight.dequantize(torch.bfloat16)).float()
-    assert torch.equal(weight.bf16_matmul(x, None), ref_bf16)
+    assert_exact_and_bf16_paths_match_the_reference(q6_k(20, 512, seed=3), x)
 
 
 def test_fused_q6_k_parts_join_with_their_planes_and_records() -> None:

@@ -1,0 +1,34 @@
+"""Checks the tests of the GGUF forms holding a plane of higher code bits beside int4 codes share
+(test_q5_k_int8_activations.py, test_q6_k_int8_activations.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpager.model.backends.quant_dot import Int4DotWeight
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_PORTABLE, load_quant_kernels
+
+# batches of one row, row pairs and a remainder, a decode batch, the prompt panels (kvq_dot_panel_rows)
+ROWS = (1, 2, 3, 16, 33)
+
+
+def assert_portable_gives_the_avx2_bits(weight: Int4DotWeight, gen: torch.Generator) -> None:
+    """The portable build's bits are the AVX2 build's at every batch of ROWS."""
+    if load_quant_kernels().dot_level(LEVEL_AVX2) != LEVEL_AVX2:
+        pytest.skip("this CPU has no AVX2: only the portable build runs (held to the reference elsewhere)")
+    for m in ROWS:
+        x = torch.randn(m, weight.in_features, generator=gen) * 3
+        weight.max_level = LEVEL_PORTABLE
+        portable = weight.dot_kernel(x)
+        weight.max_level = LEVEL_AVX2
+        assert torch.equal(weight.dot_kernel(x), portable), m
+
+
+def assert_exact_and_bf16_paths_match_the_reference(weight: Int4DotWeight, x: torch.Tensor) -> None:
+    """The exact path (float32 activations) meets the dequantized weight to float32 rounding; the bfloat16
+    path is F.linear in bfloat16 bit for bit."""
+    ref = x.double() @ weight.dequantize(torch.float64).T
+    assert torch.allclose(weight.exact_matmul(x, None).double(), ref, rtol=1e-5, atol=1e-5)
+    ref_bf16 = torch.nn.functional.linear(x.bfloat16(), weight.dequantize(torch.bfloat16)).float()
+    assert torch.equal(weight.bf16_matmul(x, None), ref_bf16)
