@@ -133,6 +133,34 @@ def test_negative_scales_keep_their_sign_in_the_kernel() -> None:
             assert not torch.allclose(ref, reference_matmul(weight, x[:m]), atol=1e-2)
 
 
+@pytest.mark.parametrize(("rows", "cols"), [(42, 768), (9, 4352), (3, 256)])
+def test_the_kernel_unpacks_the_float_forms_values_as_torch_does(rows: int, cols: int) -> None:
+    """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved. The exact and bfloat16 paths build
+    the float form from these values on every batch they take."""
+    weight = q6_k(rows, cols, seed=rows)
+    expected = (weight.codes().to(torch.int16) - 32).to(torch.int8)
+    for level in (None, LEVEL_PORTABLE):
+        weight.max_level = level
+        assert torch.equal(weight.values(), expected), level
+        assert torch.equal(weight.float_form().plain_qweight(), expected), level
+
+
+def test_the_values_unpack_refuses_other_formats() -> None:
+    kernels = quant_kernels_or_none()
+    assert kernels is not None
+    weight = q6_k(8, 512, seed=14)
+    q6 = FMT_INT4 | FMT_Q6_SCALES | FMT_HI_PLANE
+    for fmt, k, plane in (
+        (FMT_INT4 | FMT_K_SCALES | FMT_HI_PLANE, 512, weight.plane.data_ptr()),  # Q5_K's
+        (FMT_INT8 | FMT_Q6_SCALES | FMT_HI_PLANE, 512, weight.plane.data_ptr()),
+        (q6, 384, weight.plane.data_ptr()),
+        (q6, 512, None),
+    ):
+        out = torch.full((8, 512), 7, dtype=torch.int8)
+        rc = kernels.dot_q6_values(fmt, weight.packed.data_ptr(), plane, 8, k, out.data_ptr(), 1, kernels.default_level)
+        assert rc == -1 and bool((out == 7).all()), (fmt, k)
+
+
 def test_exact_and_bf16_paths_match_the_reference() -> None:
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
     assert_exact_and_bf16_paths_match_the_reference(q6_k(20, 512, seed=3), x)

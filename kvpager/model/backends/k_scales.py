@@ -26,7 +26,7 @@ from kvpager.model.backends.quant_dot import (
     Int8DotWeight,
     check_dynamic_group,
 )
-from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4
+from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4, quant_kernels_or_none
 from kvpager.model.backends.quant_weights import (
     PackedWeight,
     _interleavable,
@@ -234,10 +234,24 @@ class Q6PackedDotWeight(_FileScales, Int4DotWeight):
         high = (pairs & 3).view(n, k // 32, 32)[..., INT4_NATURAL].reshape(n, k)
         return super().codes() + (high << 4)
 
+    def values(self) -> torch.Tensor:
+        """The values [N, K] int8 (code - 32, natural order): unpacked by the kernel library on the CPU
+        (the exact and bfloat16 paths build the float form per batch), else in torch."""
+        kernels = quant_kernels_or_none() if self.device.type == "cpu" else None
+        if kernels is None:
+            return (self.codes().to(torch.int16) - 32).to(torch.int8)
+        out = torch.empty((self.out_features, self.in_features), dtype=torch.int8)
+        rc = kernels.dot_q6_values(
+            self.kernel_fmt(), self.packed.data_ptr(), self.plane.data_ptr(), self.out_features, self.in_features,
+            out.data_ptr(), torch.get_num_threads(), self._level(kernels),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"Q6PackedDotWeight: the kernel library refused format {self.kernel_fmt()}")
+        return out
+
     def float_form(self) -> Int8DotWeight:
         """The same weight as Int8DotWeight (int8 values code - 32, float32 scales, expanded now)."""
-        values = (self.codes().to(torch.int16) - 32).to(torch.int8)
-        weight = Int8DotWeight(values, expand_q6_records(self.records), Q6_GROUP, interleave=False)
+        weight = Int8DotWeight(self.values(), expand_q6_records(self.records), Q6_GROUP, interleave=False)
         weight.max_level = self.max_level
         return weight
 
