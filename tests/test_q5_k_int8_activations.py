@@ -79,6 +79,22 @@ def test_the_plane_holds_each_codes_fifth_bit_where_the_kernel_reads_it() -> Non
     assert 0 < sum(bits) < 32  # both kinds of bit occur
 
 
+@pytest.mark.parametrize(("rows", "cols"), [(42, 768), (9, 4352), (3, 256)])
+def test_the_kernel_unpacks_the_codes_the_blocks_hold(rows: int, cols: int) -> None:
+    """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved. The exact and bfloat16 paths build
+    the float form from these codes on every batch they take."""
+    values = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    blocks = unpack_blocks("Q5_K", encode_q5_k(values)[0], (rows, cols))
+    weight = packed_from_blocks(blocks, "Q5_K", int8_activations=True)
+    assert isinstance(weight, K5PackedDotWeight) and weight.interleaved == (rows >= 4)
+    expected = torch.from_numpy(blocks.codes).to(torch.uint8)
+    assert torch.equal(weight.codes_in_torch(), expected)
+    for level in (None, LEVEL_PORTABLE):
+        weight.max_level = level
+        assert torch.equal(weight.codes(), expected), level
+        assert torch.equal(weight.float_form().plain_qweight(), expected.to(torch.int8)), level
+
+
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])
 def test_portable_gives_the_avx2_bits(rows: int, cols: int) -> None:
     assert_portable_gives_the_avx2_bits(q5_k(rows, cols, seed=rows), torch.Generator().manual_seed(2))

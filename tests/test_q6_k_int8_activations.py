@@ -134,30 +134,38 @@ def test_negative_scales_keep_their_sign_in_the_kernel() -> None:
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (9, 4352), (3, 256)])
-def test_the_kernel_unpacks_the_float_forms_values_as_torch_does(rows: int, cols: int) -> None:
+def test_the_kernel_unpacks_the_codes_the_blocks_hold(rows: int, cols: int) -> None:
     """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved. The exact and bfloat16 paths build
     the float form from these values on every batch they take."""
-    weight = q6_k(rows, cols, seed=rows)
-    expected = (weight.codes().to(torch.int16) - 32).to(torch.int8)
+    values = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    blocks = unpack_blocks("Q6_K", encode_q6_k(values)[0], (rows, cols))
+    weight = packed_from_blocks(blocks, "Q6_K", int8_activations=True)
+    assert isinstance(weight, Q6PackedDotWeight) and weight.interleaved == (rows >= 4)
+    expected = torch.from_numpy(blocks.codes).to(torch.int8)
+    assert torch.equal(weight.codes_in_torch().to(torch.int8) - 32, expected)
     for level in (None, LEVEL_PORTABLE):
         weight.max_level = level
+        assert torch.equal(weight.codes().to(torch.int8) - 32, expected), level
         assert torch.equal(weight.values(), expected), level
         assert torch.equal(weight.float_form().plain_qweight(), expected), level
 
 
-def test_the_values_unpack_refuses_other_formats() -> None:
+def test_the_codes_unpack_refuses_other_formats() -> None:
     kernels = quant_kernels_or_none()
     assert kernels is not None
     weight = q6_k(8, 512, seed=14)
     q6 = FMT_INT4 | FMT_Q6_SCALES | FMT_HI_PLANE
     for fmt, k, plane in (
-        (FMT_INT4 | FMT_K_SCALES | FMT_HI_PLANE, 512, weight.plane.data_ptr()),  # Q5_K's
+        (FMT_INT4 | FMT_Q6_SCALES, 512, weight.plane.data_ptr()),  # no plane flag
         (FMT_INT8 | FMT_Q6_SCALES | FMT_HI_PLANE, 512, weight.plane.data_ptr()),
+        (q6 | FMT_K_SCALES, 512, weight.plane.data_ptr()),
         (q6, 384, weight.plane.data_ptr()),
         (q6, 512, None),
     ):
-        out = torch.full((8, 512), 7, dtype=torch.int8)
-        rc = kernels.dot_q6_values(fmt, weight.packed.data_ptr(), plane, 8, k, out.data_ptr(), 1, kernels.default_level)
+        out = torch.full((8, 512), 7, dtype=torch.uint8)
+        rc = kernels.dot_plane_codes(
+            fmt, weight.packed.data_ptr(), plane, 8, k, out.data_ptr(), 1, kernels.default_level
+        )
         assert rc == -1 and bool((out == 7).all()), (fmt, k)
 
 

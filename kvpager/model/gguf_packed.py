@@ -39,6 +39,7 @@ from kvpager.model.backends.k_scales import (
     KScaledInt4DotWeight,
     Q6PackedDotWeight,
     expand_k_records,
+    kernel_plane_codes,
 )
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import (
@@ -244,8 +245,13 @@ class K5PackedDotWeight(KScaledInt4DotWeight):
         return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
 
     def codes(self) -> torch.Tensor:
-        """The 5-bit codes [N, K] uint8 (natural order). The exact and bfloat16 paths build the float form
-        from them per call, so one gather: a block's plane bytes hold stored positions 0-7, 8-15, 16-23,
+        """The 5-bit codes [N, K] uint8 (natural order): unpacked by the kernel library on the CPU (the
+        exact and bfloat16 paths build the float form per call), else codes_in_torch()."""
+        fast = kernel_plane_codes(self, self.plane)
+        return self.codes_in_torch() if fast is None else fast
+
+    def codes_in_torch(self) -> torch.Tensor:
+        """codes() by torch ops, one gather: a block's plane bytes hold stored positions 0-7, 8-15, 16-23,
         24-31, i.e. natural 0-7, 16-23, 8-15, 24-31 (INT4_NATURAL), and each byte widens through a table
         to its 8 bits times 16."""
         n, k = self.out_features, self.in_features

@@ -165,6 +165,23 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
+def kernel_plane_codes(weight: Int4DotWeight, plane: torch.Tensor) -> torch.Tensor | None:
+    """The codes [N, K] uint8 (natural order) of a GGUF Q5_K or Q6_K packed weight (int4 codes and a plane
+    of the codes' higher bits), unpacked by the kernel library (kvq_dot_plane_codes); None off the CPU or
+    without the library."""
+    kernels = quant_kernels_or_none() if weight.device.type == "cpu" else None
+    if kernels is None:
+        return None
+    out = torch.empty((weight.out_features, weight.in_features), dtype=torch.uint8)
+    rc = kernels.dot_plane_codes(
+        weight.kernel_fmt(), weight.packed.data_ptr(), plane.data_ptr(), weight.out_features, weight.in_features,
+        out.data_ptr(), torch.get_num_threads(), weight._level(kernels),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"{type(weight).__name__}: the kernel library refused format {weight.kernel_fmt()}")
+    return out
+
+
 class Q6PackedDotWeight(_FileScales, Int4DotWeight):
     """GGUF Q6_K times int8 activations in the file's 0.82 bytes a weight: the 6-bit codes' low 4 bits as
     int4 codes (Int4DotWeight's layout, interleaved as it does), their high two bits in a plane
@@ -228,26 +245,21 @@ class Q6PackedDotWeight(_FileScales, Int4DotWeight):
         return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
 
     def codes(self) -> torch.Tensor:
-        """The 6-bit codes [N, K] uint8 (natural order)."""
+        """The 6-bit codes [N, K] uint8 (natural order): unpacked by the kernel library on the CPU (the
+        exact and bfloat16 paths build the float form per batch), else codes_in_torch()."""
+        fast = kernel_plane_codes(self, self.plane)
+        return self.codes_in_torch() if fast is None else fast
+
+    def codes_in_torch(self) -> torch.Tensor:
+        """codes(), unpacked by torch ops (off the CPU, or without the kernel library)."""
         n, k = self.out_features, self.in_features
         pairs = self.plane.view(n, k // 64, 1, 1, 16) >> torch.tensor(Q6_PLANE_SHIFTS, dtype=torch.uint8).view(2, 2, 1)
         high = (pairs & 3).view(n, k // 32, 32)[..., INT4_NATURAL].reshape(n, k)
         return super().codes() + (high << 4)
 
     def values(self) -> torch.Tensor:
-        """The values [N, K] int8 (code - 32, natural order): unpacked by the kernel library on the CPU
-        (the exact and bfloat16 paths build the float form per batch), else in torch."""
-        kernels = quant_kernels_or_none() if self.device.type == "cpu" else None
-        if kernels is None:
-            return (self.codes().to(torch.int16) - 32).to(torch.int8)
-        out = torch.empty((self.out_features, self.in_features), dtype=torch.int8)
-        rc = kernels.dot_q6_values(
-            self.kernel_fmt(), self.packed.data_ptr(), self.plane.data_ptr(), self.out_features, self.in_features,
-            out.data_ptr(), torch.get_num_threads(), self._level(kernels),
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"Q6PackedDotWeight: the kernel library refused format {self.kernel_fmt()}")
-        return out
+        """The values [N, K] int8 (code - 32, natural order)."""
+        return self.codes().view(torch.int8).sub_(32)  # (codes() is a new tensor; 0..63 fit int8)
 
     def float_form(self) -> Int8DotWeight:
         """The same weight as Int8DotWeight (int8 values code - 32, float32 scales, expanded now)."""

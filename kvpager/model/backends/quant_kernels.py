@@ -70,7 +70,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_dot_level": ([_I], ctypes.c_int64),
     "kvq_dot_panel_rows": ([_I], ctypes.c_int64),
     "kvq_dot_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int64),
-    "kvq_dot_q6_values": ([_I, _P, _P, _I, _I, _P, _I, _I], ctypes.c_int64),
+    "kvq_dot_plane_codes": ([_I, _P, _P, _I, _I, _P, _I, _I], ctypes.c_int64),
 }
 
 
@@ -87,7 +87,7 @@ class QuantKernels:
     dot_level: Any  # kvq_dot_level(cap): the path kvq_dot_linear takes (LEVEL_AVX512: AVX-512 VNNI)
     dequant_bf16: Any  # kvq_dequant_bf16: dequantized rows rounded to bfloat16 (the bf16 GEMM's operand)
     dot_panel_rows: Any  # kvq_dot_panel_rows(cap): batches from this many rows take 8-row panels (0: none)
-    dot_q6_values: Any  # kvq_dot_q6_values: a GGUF Q6_K packed weight's int8 values (its float form's codes)
+    dot_plane_codes: Any  # kvq_dot_plane_codes: a GGUF Q5_K / Q6_K packed weight's codes (its float form's)
 
     @property
     def default_level(self) -> int:
@@ -172,7 +172,7 @@ def load_quant_kernels() -> QuantKernels:
         lib.kvq_dot_level,
         lib.kvq_dequant_bf16,
         lib.kvq_dot_panel_rows,
-        lib.kvq_dot_q6_values,
+        lib.kvq_dot_plane_codes,
     )
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels

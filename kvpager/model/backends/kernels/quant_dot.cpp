@@ -257,15 +257,17 @@ int64_t kvq_dot_linear(int64_t fmt, const float* x, int64_t M, int64_t K, const 
   return 0;
 }
 
-// out [N, K] int8 = the values (code - 32) of a GGUF Q6_K packed weight (fmt: int4 | kQ6Scales | kHiPlane,
-// optionally kRowsBit; `plane` its high bits, as kvq_dot_linear takes them) in natural order: what the
-// float32 form holds, built here instead of by a torch unpack on every batch the exact or bfloat16
-// path takes. Returns 0, or -1 for another format or K not a multiple of 256 (nothing written then).
-int64_t kvq_dot_q6_values(int64_t fmt, const void* w, const void* plane, int64_t N, int64_t K, int8_t* out,
-                          int64_t num_threads, int64_t max_level) {
-  const bool rows4 = (fmt & kvq_int4::kRowsBit) != 0;
-  if ((fmt & ~kvq_int4::kRowsBit) != (kFmtInt4 | kQ6Scales | kHiPlane) || K <= 0 || K % (kQ6Groups * 16) != 0 ||
-      N < 0 || plane == nullptr)
+// out [N, K] uint8 = the codes of a GGUF Q5_K or Q6_K packed weight (fmt: int4 | kKScales | kHiPlane or
+// int4 | kQ6Scales | kHiPlane, optionally kRowsBit; `plane` its higher bits, as kvq_dot_linear takes
+// them) in natural order (Q5_K 0..31, Q6_K 0..63): what the float32 forms hold, built here instead of
+// by a torch unpack on every batch the exact or bfloat16 path takes. Returns 0, or -1 for another
+// format or K not a multiple of 256 (nothing written then).
+int64_t kvq_dot_plane_codes(int64_t fmt, const void* w, const void* plane, int64_t N, int64_t K, uint8_t* out,
+                            int64_t num_threads, int64_t max_level) {
+  const bool rows4 = (fmt & kvq_int4::kRowsBit) != 0, q6 = (fmt & kQ6Scales) != 0;
+  const int64_t kind = fmt & ~kvq_int4::kRowsBit;
+  if ((kind != (kFmtInt4 | kQ6Scales | kHiPlane) && kind != (kFmtInt4 | kKScales | kHiPlane)) || K <= 0 ||
+      K % (kQ6Groups * 16) != 0 || N < 0 || plane == nullptr)
     return -1;
   const int64_t interleaved = kvq_int4::interleaved_rows(rows4, N, K / 2);
   const int threads = static_cast<int>(N * K >= (1 << 16) ? std::max<int64_t>(1, num_threads) : 1);
@@ -273,12 +275,12 @@ int64_t kvq_dot_q6_values(int64_t fmt, const void* w, const void* plane, int64_t
   const auto* bits = static_cast<const uint8_t*>(plane);
 #if defined(KVQ_X86)
   if (dot_level_for(max_level) >= kLevelAvx2) {
-    avx2::q6_values_rows(codes, bits, N, K, interleaved, out, threads);
+    avx2::plane_codes_rows(q6, codes, bits, N, K, interleaved, out, threads);
     return 0;
   }
 #endif
   (void)max_level;
-  portable::q6_values_rows(codes, bits, N, K, interleaved, out, threads);
+  portable::plane_codes_rows(q6, codes, bits, N, K, interleaved, out, threads);
   return 0;
 }
 

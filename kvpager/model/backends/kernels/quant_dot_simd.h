@@ -226,6 +226,12 @@ struct Portable {
     for (int j = 0; j < kBlock; ++j)
       out[j] = static_cast<int8_t>((j < 16 ? w[j] & 0xF : w[j - 16] >> 4) + 16 * q6_plane_bits(plane, odd, j) - 32);
   }
+  // A GGUF Q5_K packed block's 32 codes (0..31) in stored order: w its 16 stored bytes, plane its 4 plane
+  // bytes (bit j: stored position j's fifth bit).
+  static void q5_codes(const uint8_t* w, const uint8_t* plane, uint8_t* out) {
+    for (int j = 0; j < kBlock; ++j)
+      out[j] = static_cast<uint8_t>((j < 16 ? w[j] & 0xF : w[j - 16] >> 4) + 16 * ((plane[j / 8] >> (j % 8)) & 1));
+  }
   // Adds the fifth bits of a panel's block (pack_codes8's layout, [group g][row c][4]: positions 4g..4g+3
   // in stored order) from each row's 4 plane bytes (rows past `cols`: none).
   static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
@@ -536,6 +542,18 @@ struct Avx2 {
                                                  0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48);
     const __m256i v = _mm256_or_si256(codes, _mm256_shuffle_epi8(table, nibbles));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
+  }
+  static void q5_codes(const uint8_t* w, const uint8_t* plane, uint8_t* out) {  // Portable::q5_codes
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    int32_t four;
+    std::memcpy(&four, plane, sizeof four);
+    // byte j / 8 of the plane beside lane j, its bit j % 8 tested (w_i5x2's spread)
+    const __m256i at = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(four), at), bits), bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(16))));
   }
   static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
     Portable::add_plane8(plane, cols, dst);
