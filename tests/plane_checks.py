@@ -32,3 +32,16 @@ def assert_exact_and_bf16_paths_match_the_reference(weight: Int4DotWeight, x: to
     assert torch.allclose(weight.exact_matmul(x, None).double(), ref, rtol=1e-5, atol=1e-5)
     ref_bf16 = torch.nn.functional.linear(x.bfloat16(), weight.dequantize(torch.bfloat16)).float()
     assert torch.equal(weight.bf16_matmul(x, None), ref_bf16)
+
+
+def assert_codes_unpack_to(weight: Int4DotWeight, expected: torch.Tensor, float_offset: int) -> None:
+    """codes() (the kernel library's unpack, on the best path and the portable one) and codes_in_torch()
+    equal `expected` (uint8 [N, K], the blocks' own codes), and the float form's int8 codes are those
+    minus `float_offset` (Q6_K's values: code - 32). The exact and bfloat16 paths build the float form
+    from them on every batch they take."""
+    assert torch.equal(weight.codes_in_torch(), expected)  # type: ignore[attr-defined]
+    for level in (None, LEVEL_PORTABLE):
+        weight.max_level = level
+        assert torch.equal(weight.codes(), expected), level
+        float_codes = weight.float_form().plain_qweight()  # type: ignore[attr-defined]
+        assert torch.equal(float_codes, (expected.to(torch.int16) - float_offset).to(torch.int8)), level

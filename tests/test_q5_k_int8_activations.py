@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 from kquants import encode_q5_k
-from plane_checks import assert_exact_and_bf16_paths_match_the_reference, assert_portable_gives_the_avx2_bits
+from plane_checks import (
+    assert_codes_unpack_to,
+    assert_exact_and_bf16_paths_match_the_reference,
+    assert_portable_gives_the_avx2_bits,
+)
 
 from kvpager.gguf.blocks import K_RECORD_BYTES, unpack_blocks
 from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS
@@ -81,18 +85,12 @@ def test_the_plane_holds_each_codes_fifth_bit_where_the_kernel_reads_it() -> Non
 
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (9, 4352), (3, 256)])
 def test_the_kernel_unpacks_the_codes_the_blocks_hold(rows: int, cols: int) -> None:
-    """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved. The exact and bfloat16 paths build
-    the float form from these codes on every batch they take."""
+    """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved."""
     values = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32) * 0.05
     blocks = unpack_blocks("Q5_K", encode_q5_k(values)[0], (rows, cols))
     weight = packed_from_blocks(blocks, "Q5_K", int8_activations=True)
     assert isinstance(weight, K5PackedDotWeight) and weight.interleaved == (rows >= 4)
-    expected = torch.from_numpy(blocks.codes).to(torch.uint8)
-    assert torch.equal(weight.codes_in_torch(), expected)
-    for level in (None, LEVEL_PORTABLE):
-        weight.max_level = level
-        assert torch.equal(weight.codes(), expected), level
-        assert torch.equal(weight.float_form().plain_qweight(), expected.to(torch.int8)), level
+    assert_codes_unpack_to(weight, torch.from_numpy(blocks.codes).to(torch.uint8), float_offset=0)
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])

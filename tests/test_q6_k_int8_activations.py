@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 import torch
 from kquants import encode_q6_k
-from plane_checks import ROWS, assert_exact_and_bf16_paths_match_the_reference, assert_portable_gives_the_avx2_bits
+from plane_checks import (
+    ROWS,
+    assert_codes_unpack_to,
+    assert_exact_and_bf16_paths_match_the_reference,
+    assert_portable_gives_the_avx2_bits,
+)
 
 from kvpager.gguf.blocks import Q6_RECORD_BYTES, unpack_blocks
 from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS
@@ -135,19 +140,14 @@ def test_negative_scales_keep_their_sign_in_the_kernel() -> None:
 
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (9, 4352), (3, 256)])
 def test_the_kernel_unpacks_the_codes_the_blocks_hold(rows: int, cols: int) -> None:
-    """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved. The exact and bfloat16 paths build
-    the float form from these values on every batch they take."""
+    """42 rows: 40 interleaved and 2 plain; 3 rows: none interleaved."""
     values = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32) * 0.05
     blocks = unpack_blocks("Q6_K", encode_q6_k(values)[0], (rows, cols))
     weight = packed_from_blocks(blocks, "Q6_K", int8_activations=True)
     assert isinstance(weight, Q6PackedDotWeight) and weight.interleaved == (rows >= 4)
-    expected = torch.from_numpy(blocks.codes).to(torch.int8)
-    assert torch.equal(weight.codes_in_torch().to(torch.int8) - 32, expected)
-    for level in (None, LEVEL_PORTABLE):
-        weight.max_level = level
-        assert torch.equal(weight.codes().to(torch.int8) - 32, expected), level
-        assert torch.equal(weight.values(), expected), level
-        assert torch.equal(weight.float_form().plain_qweight(), expected), level
+    file_values = torch.from_numpy(blocks.codes).to(torch.int16)  # the blocks' codes are q - 32
+    assert_codes_unpack_to(weight, (file_values + 32).to(torch.uint8), float_offset=32)
+    assert torch.equal(weight.values(), file_values.to(torch.int8))
 
 
 def test_the_codes_unpack_refuses_other_formats() -> None:
