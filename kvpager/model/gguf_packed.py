@@ -37,9 +37,9 @@ from kvpager.model.backends.k_scales import (
     FMT_HI_PLANE,
     INT4_NATURAL,
     KScaledInt4DotWeight,
+    PlaneCodes,
     Q6PackedDotWeight,
     expand_k_records,
-    kernel_plane_codes,
 )
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_weights import (
@@ -197,7 +197,7 @@ PLANE_BYTE_ORDER = [INT4_NATURAL.index(8 * j) // 8 for j in range(4)]
 FIFTH_BITS = ((torch.arange(256).view(256, 1) >> torch.arange(8)) & 1).to(torch.uint8) * 16
 
 
-class K5PackedDotWeight(KScaledInt4DotWeight):
+class K5PackedDotWeight(PlaneCodes, KScaledInt4DotWeight):  # type: ignore[misc]  # (cat joins K5 parts only)
     """GGUF Q5_K times int8 activations in 0.70 bytes a weight: the 5-bit codes' low 4 bits as int4 codes
     (KScaledInt4DotWeight's layout, interleaved as it does), their fifth bits in a plane [N, K / 8] (per
     block of 32, 4 bytes; bit j little-endian is the fifth bit of the block's stored position j, whose
@@ -213,7 +213,7 @@ class K5PackedDotWeight(KScaledInt4DotWeight):
         in_features: int,
         interleave: bool | None = None,
     ) -> None:
-        super().__init__(packed, records, in_features, interleave)
+        KScaledInt4DotWeight.__init__(self, packed, records, in_features, interleave)
         if plane.dtype != torch.uint8 or tuple(plane.shape) != (self.out_features, in_features // 8):
             raise ValueError(f"K5PackedDotWeight: plane must be uint8 [N, K / 8], got {tuple(plane.shape)}")
         self.plane = plane.contiguous()
@@ -234,29 +234,13 @@ class K5PackedDotWeight(KScaledInt4DotWeight):
         plane = bits.sum(-1, dtype=torch.uint8).view(n, k // 8)
         return cls(_pack_int4(low), plane, records, k, interleave)
 
-    @classmethod
-    def cat(cls, parts: list[K5PackedDotWeight]) -> K5PackedDotWeight:  # type: ignore[override]
-        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
-        records, plane, k = (
-            torch.cat([p.records for p in parts]),
-            torch.cat([p.plane for p in parts]),
-            parts[0].in_features,
-        )
-        return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
-
-    def codes(self) -> torch.Tensor:
-        """The 5-bit codes [N, K] uint8 (natural order): unpacked by the kernel library on the CPU (the
-        exact and bfloat16 paths build the float form per call), else codes_in_torch()."""
-        fast = kernel_plane_codes(self, self.plane)
-        return self.codes_in_torch() if fast is None else fast
-
     def codes_in_torch(self) -> torch.Tensor:
-        """codes() by torch ops, one gather: a block's plane bytes hold stored positions 0-7, 8-15, 16-23,
+        """The 5-bit codes by torch ops, one gather: a block's plane bytes hold stored positions 0-7, 8-15, 16-23,
         24-31, i.e. natural 0-7, 16-23, 8-15, 24-31 (INT4_NATURAL), and each byte widens through a table
         to its 8 bits times 16."""
         n, k = self.out_features, self.in_features
         in_order = self.plane.view(n, k // 32, 4)[..., PLANE_BYTE_ORDER]
-        return super().codes() + FIFTH_BITS[in_order.long()].view(n, k)
+        return Int4Weight.codes(self) + FIFTH_BITS[in_order.long()].view(n, k)  # (the low 4 bits)
 
     def float_form(self) -> AffineInt8DotWeight:  # type: ignore[override]
         """The same weight as AffineInt8DotWeight (int8 codes, float32 scales and offsets, expanded now)."""
@@ -266,16 +250,7 @@ class K5PackedDotWeight(KScaledInt4DotWeight):
         return weight
 
     def kernel_fmt(self) -> int:
-        return super().kernel_fmt() | FMT_HI_PLANE
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.plane, self.records)
-
-    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.plain_packed(), self.plane, self.records)
-
-    def _pointers(self) -> tuple[int, int | None, int | None]:
-        return self.packed.data_ptr(), self.records.data_ptr(), self.plane.data_ptr()
+        return KScaledInt4DotWeight.kernel_fmt(self) | FMT_HI_PLANE
 
 
 class RowStack(PackedWeight):

@@ -18,6 +18,8 @@ their high two in a plane (kQ6Scales with kHiPlane in the kernel): 0.82 bytes a 
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, QK_K
@@ -28,6 +30,7 @@ from kvpager.model.backends.quant_dot import (
 )
 from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4, quant_kernels_or_none
 from kvpager.model.backends.quant_weights import (
+    Int4Weight,
     PackedWeight,
     _interleavable,
     _pack_int4,
@@ -165,24 +168,66 @@ def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     return (d * sc).reshape(n, supers * Q6_GROUPS)
 
 
-def kernel_plane_codes(weight: Int4DotWeight, plane: torch.Tensor) -> torch.Tensor | None:
-    """The codes [N, K] uint8 (natural order) of a GGUF Q5_K or Q6_K packed weight (int4 codes and a plane
-    of the codes' higher bits), unpacked by the kernel library (kvq_dot_plane_codes); None off the CPU or
-    without the library."""
-    kernels = quant_kernels_or_none() if weight.device.type == "cpu" else None
-    if kernels is None:
-        return None
-    out = torch.empty((weight.out_features, weight.in_features), dtype=torch.uint8)
-    rc = kernels.dot_plane_codes(
-        weight.kernel_fmt(), weight.packed.data_ptr(), plane.data_ptr(), weight.out_features, weight.in_features,
-        out.data_ptr(), torch.get_num_threads(), weight._level(kernels),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"{type(weight).__name__}: the kernel library refused format {weight.kernel_fmt()}")
-    return out
+class PlaneCodes(Int4DotWeight):
+    """What the GGUF forms holding int4 codes (the low 4 bits), a plane of the codes' higher bits and the
+    file's records share (Q5_K's K5PackedDotWeight, Q6_K's Q6PackedDotWeight): the stored tensors, the
+    digest's, the kernel's pointers (the plane passed as `offsets`), row-wise joins and the codes' unpack.
+    Listed first among a form's bases, so these take the place of its records class's."""
+
+    plane: torch.Tensor
+    records: torch.Tensor
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        plane: torch.Tensor,
+        records: torch.Tensor,
+        in_features: int,
+        interleave: bool | None = None,
+    ) -> None:
+        raise NotImplementedError  # (each form's own: the signature `cat` builds with)
+
+    @classmethod
+    def cat(cls, parts: list[Self]) -> Self:  # type: ignore[override]
+        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
+        records, plane, k = (
+            torch.cat([p.records for p in parts]),
+            torch.cat([p.plane for p in parts]),
+            parts[0].in_features,
+        )
+        return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
+
+    def codes(self) -> torch.Tensor:
+        """The codes [N, K] uint8 (natural order): unpacked by the kernel library on the CPU
+        (kvq_dot_plane_codes; the exact and bfloat16 paths build the float form per batch), else
+        codes_in_torch()."""
+        kernels = quant_kernels_or_none() if self.device.type == "cpu" else None
+        if kernels is None:
+            return self.codes_in_torch()
+        out = torch.empty((self.out_features, self.in_features), dtype=torch.uint8)
+        rc = kernels.dot_plane_codes(
+            self.kernel_fmt(), self.packed.data_ptr(), self.plane.data_ptr(), self.out_features, self.in_features,
+            out.data_ptr(), torch.get_num_threads(), self._level(kernels),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"{type(self).__name__}: the kernel library refused format {self.kernel_fmt()}")
+        return out
+
+    def codes_in_torch(self) -> torch.Tensor:
+        """codes() by torch ops (off the CPU, or without the kernel library)."""
+        raise NotImplementedError
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.plane, self.records)
+
+    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain_packed(), self.plane, self.records)
+
+    def _pointers(self) -> tuple[int, int | None, int | None]:
+        return self.packed.data_ptr(), self.records.data_ptr(), self.plane.data_ptr()
 
 
-class Q6PackedDotWeight(_FileScales, Int4DotWeight):
+class Q6PackedDotWeight(PlaneCodes, _FileScales, Int4DotWeight):
     """GGUF Q6_K times int8 activations in the file's 0.82 bytes a weight: the 6-bit codes' low 4 bits as
     int4 codes (Int4DotWeight's layout, interleaved as it does), their high two bits in a plane
     [N, K / 4] (Q6_PLANE_SHIFTS), Q6_K's records for the scales of the groups of 16; the values are
@@ -234,28 +279,12 @@ class Q6PackedDotWeight(_FileScales, Int4DotWeight):
             packed[r0 : r0 + rows] = _pack_int4(chunk & 15)
         return cls(packed, plane, records, k, interleave)
 
-    @classmethod
-    def cat(cls, parts: list[Q6PackedDotWeight]) -> Q6PackedDotWeight:
-        """Row-wise concatenation (fused q/k/v, gate/up), keeping the parts' interleaved rows where they join."""
-        records, plane, k = (
-            torch.cat([p.records for p in parts]),
-            torch.cat([p.plane for p in parts]),
-            parts[0].in_features,
-        )
-        return join_rows(parts, lambda packed, interleave: cls(packed, plane, records, k, interleave))
-
-    def codes(self) -> torch.Tensor:
-        """The 6-bit codes [N, K] uint8 (natural order): unpacked by the kernel library on the CPU (the
-        exact and bfloat16 paths build the float form per batch), else codes_in_torch()."""
-        fast = kernel_plane_codes(self, self.plane)
-        return self.codes_in_torch() if fast is None else fast
-
     def codes_in_torch(self) -> torch.Tensor:
-        """codes(), unpacked by torch ops (off the CPU, or without the kernel library)."""
+        """The 6-bit codes by torch ops: the plane's pairs of bits in stored order, then natural."""
         n, k = self.out_features, self.in_features
         pairs = self.plane.view(n, k // 64, 1, 1, 16) >> torch.tensor(Q6_PLANE_SHIFTS, dtype=torch.uint8).view(2, 2, 1)
         high = (pairs & 3).view(n, k // 32, 32)[..., INT4_NATURAL].reshape(n, k)
-        return super().codes() + (high << 4)
+        return Int4Weight.codes(self) + (high << 4)  # (the low 4 bits)
 
     def values(self) -> torch.Tensor:
         """The values [N, K] int8 (code - 32, natural order)."""
@@ -270,15 +299,6 @@ class Q6PackedDotWeight(_FileScales, Int4DotWeight):
     def kernel_fmt(self) -> int:
         return FMT_INT4 | FMT_Q6_SCALES | FMT_HI_PLANE | (FMT_ROWS4 if self.interleaved else 0)
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.plane, self.records)
-
-    def digest_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.plain_packed(), self.plane, self.records)
-
-    def _pointers(self) -> tuple[int, int | None, int | None]:
-        return self.packed.data_ptr(), self.records.data_ptr(), self.plane.data_ptr()
-
 
 __all__ = [
     "FMT_HI_PLANE",
@@ -286,6 +306,7 @@ __all__ = [
     "FMT_Q6_SCALES",
     "INT4_NATURAL",
     "KScaledInt4DotWeight",
+    "PlaneCodes",
     "Q6PackedDotWeight",
     "expand_k_records",
     "expand_q6_records",
