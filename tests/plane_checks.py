@@ -9,8 +9,9 @@ import torch
 from kvpager.model.backends.quant_dot import Int4DotWeight
 from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_PORTABLE, load_quant_kernels
 
-# batches of one row, row pairs and a remainder, a decode batch, the prompt panels (kvq_dot_panel_rows)
-ROWS = (1, 2, 3, 16, 33)
+# batches of one row, row pairs and a remainder, the most rows the one-row tiles take, the panels
+# (kvq_dot_panel_rows: 12) at a decode batch and at a prompt
+ROWS = (1, 2, 3, 11, 16, 33)
 
 
 def assert_portable_gives_the_avx2_bits(weight: Int4DotWeight, gen: torch.Generator) -> None:

@@ -14,6 +14,10 @@ from test_quant_dot import _kernels_or_skip
 from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL_PORTABLE, load_quant_kernels
 from kvpager.model.backends.quant_weights import PackedWeight
 
+# batches from this many rows take the panels (quant_dot_gemm.inc's kGemmMinRows): decode steps of a
+# dozen sequences or more, where the panels' per-call unpacking costs less than the one-row tiles' work
+PANEL_ROWS = 12
+
 # a form of each format with a row tail and a panel tail: symmetric int4 with float16 scales, int8 at
 # group 16 (two scales per block)
 WEIGHTS = {
@@ -47,16 +51,17 @@ def test_a_rows_panel_bits_do_not_depend_on_the_other_rows_of_the_batch(fmt: str
 def test_panels_start_at_the_kernels_row_count_on_the_avx2_and_portable_paths_only(fmt: str) -> None:
     _kernels_or_skip()
     kernels = load_quant_kernels()
-    assert kernels.dot_panel_rows(LEVEL_PORTABLE) == kernels.dot_panel_rows(LEVEL_AVX2) == 32
+    first = PANEL_ROWS
+    assert kernels.dot_panel_rows(LEVEL_PORTABLE) == kernels.dot_panel_rows(LEVEL_AVX2) == first
     if kernels.dot_level(LEVEL_AVX512) == LEVEL_AVX512:
         assert kernels.dot_panel_rows(LEVEL_AVX512) == 0  # the VNNI build's block pairs take every batch
     weight = _weight(fmt, 16, 256, torch.Generator().manual_seed(4))
     weight.max_level = LEVEL_AVX2
-    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(5))
-    below, at = weight.dot_kernel(x[:31]), weight.dot_kernel(x)
+    x = torch.randn(first, 256, generator=torch.Generator().manual_seed(5))
+    below, at = weight.dot_kernel(x[: first - 1]), weight.dot_kernel(x)
     # one order below the panels (the one-row tiles), another from them on: the same rows differ by rounding
-    assert not torch.equal(below, at[:31])
-    assert torch.allclose(below, at[:31], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(below, at[: first - 1])
+    assert torch.allclose(below, at[: first - 1], rtol=1e-5, atol=1e-5)
     describe = kernels.describe_dot()
     if kernels.dot_level(kernels.default_level) != LEVEL_AVX512:
-        assert "batches of 32+ rows: 8 output rows per vector" in describe
+        assert f"batches of {first}+ rows: 8 output rows per vector" in describe

@@ -52,13 +52,13 @@ def test_records_expand_to_the_block_decoders_scales_and_offsets() -> None:
 @pytest.mark.parametrize(("rows", "cols"), [(42, 768), (8, 256), (37, 512)])
 def test_kernel_gives_the_float32_forms_bits(portable: bool, rows: int, cols: int) -> None:
     """42 rows: 40 interleaved and 2 plain; 37: a plain remainder of 1; batches under and over the
-    panels' 32 rows, odd and even (row pairs and the single row)."""
+    panels' first row count (12), odd and even (row pairs and the single row)."""
     weight, float_form = q4_k(rows, cols, seed=rows)
     for w in (weight, float_form):
         w.max_level = LEVEL_PORTABLE if portable else None
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(rows, generator=gen)
-    for m in (1, 2, 3, 16, 33, 64):
+    for m in (1, 2, 3, 11, 16, 33, 64):
         x = torch.randn(m, cols, generator=gen)
         b = bias if m % 2 else None
         assert torch.equal(weight.dot_kernel(x, b), float_form.dot_kernel(x, b)), m

@@ -119,7 +119,7 @@ def test_kernel_adds_the_offsets_on_the_groups_activation_sums(portable: bool, r
     weight.max_level = LEVEL_PORTABLE if portable else None
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(rows, generator=gen)
-    for m in (1, 2, 3, 16, 33):  # 33: the prompt panels (kvq_dot_panel_rows) of the AVX2 and portable builds
+    for m in (1, 2, 3, 11, 16, 33):  # from 12 rows (kvq_dot_panel_rows) the panels of the AVX2 and portable builds
         x = torch.randn(m, cols, generator=gen)
         b = bias if m % 2 else None
         ref = reference_matmul(weight, x, b)

@@ -104,10 +104,10 @@ def dot_kernel_max_rows(
     if exact_level != LEVEL_AVX2:
         return DOT_KERNEL_MAX_ROWS
     if vendor not in GEMM_PROMPT_VENDORS:
-        # off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS), batches of kvq_dot_panel_rows (32)
+        # off Intel (whose float32 GEMM is faster: GEMM_PROMPT_VENDORS), batches of kvq_dot_panel_rows (12)
         # rows or more take the integer dot's 8-row panels (kernels/quant_dot_gemm.inc), ahead of the exact
         # path on AMD Zen 2 (BENCHMARKS.md: int4 1.3-1.5x at 1024 rows; 512-token prompts of a Q8_0 file
-        # 1.16-1.22x; the one-row int8 tiles also lead it at 17-31 rows): every batch stays on the dot
+        # 1.16-1.22x; the one-row int8 tiles also lead it below the panels): every batch stays on the dot
         return None
     return DOT_KERNEL_MAX_ROWS_AVX2[weight_format]
 

@@ -543,20 +543,37 @@ struct Avx2 {
     const __m256i v = _mm256_or_si256(codes, _mm256_shuffle_epi8(table, nibbles));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
   }
-  static void q5_codes(const uint8_t* w, const uint8_t* plane, uint8_t* out) {  // Portable::q5_codes
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+  // A Q5_K block's 4 plane bytes as 32 bytes: byte j is 16 where bit j is set, else 0 (byte j / 8 of
+  // the plane beside lane j, its bit j % 8 tested: w_i5x2's spread).
+  static __m256i fifth_bits16(const uint8_t* plane) {
     int32_t four;
     std::memcpy(&four, plane, sizeof four);
-    // byte j / 8 of the plane beside lane j, its bit j % 8 tested (w_i5x2's spread)
     const __m256i at = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(four), at), bits), bits);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(16))));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
   }
+  static void q5_codes(const uint8_t* w, const uint8_t* plane, uint8_t* out) {  // Portable::q5_codes
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), m = _mm_set1_epi8(0xF);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(codes, fifth_bits16(plane)));
+  }
+  // Portable::add_plane8: each row's fifth bits spread to bytes (fifth_bits16), moved into the panel's
+  // [group][row][4] order by pack_values8's transpose of 4-byte words, and or'ed into the codes (0..15).
   static void add_plane8(const uint8_t* const (&plane)[8], int cols, uint8_t* dst) {
-    Portable::add_plane8(plane, cols, dst);
+    alignas(32) int8_t spread[8][kBlock];
+    const int8_t* rows[8];
+    for (int c = 0; c < 8; ++c) {
+      rows[c] = spread[c];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(spread[c]), c < cols ? fifth_bits16(plane[c]) : _mm256_setzero_si256());
+    }
+    alignas(32) int8_t bits[8 * kBlock];
+    pack_values8(rows, bits);
+    for (int k = 0; k < 8; ++k) {
+      __m256i* d = reinterpret_cast<__m256i*>(dst + 32 * k);
+      _mm256_storeu_si256(d, _mm256_or_si256(_mm256_loadu_si256(d), _mm256_load_si256(reinterpret_cast<const __m256i*>(bits + 32 * k))));
+    }
   }
   static V spread2(const float* f) { return _mm256_set_m128(_mm_set1_ps(f[1]), _mm_set1_ps(f[0])); }
   static V spread2(const uint16_t* f) {  // the two float16 widened, then spread as the float32 form
