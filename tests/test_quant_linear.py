@@ -22,7 +22,7 @@ from kvpager.model.backends.quant_kernels import LEVEL_AVX2, LEVEL_AVX512, LEVEL
 from kvpager.model.backends.quant_weights import (
     DEQUANT_CHUNK_ROWS,
     KERNEL_MAX_ROWS,
-    NATIVE_BF16_MIN_ROWS,
+    NATIVE_BF16_AFTER_ROWS,
     Bf16Weight,
     F16Weight,
     Int4Weight,
@@ -88,7 +88,7 @@ def test_packed_linear_equals_dequantize_then_matmul_to_float32_rounding(
         x = torch.randn(rows, k, generator=gen)
         out = weight.matmul(x, bias if rows % 2 else None)
         assert out.shape == (rows, n) and out.dtype == torch.float32
-        if fmt == "bf16" and rows > NATIVE_BF16_MIN_ROWS and native_bf16_matmul_available():
+        if fmt == "bf16" and rows > NATIVE_BF16_AFTER_ROWS and native_bf16_matmul_available():
             # oneDNN's bf16 GEMM: bf16-rounded activations, float32 sums, the product rounded to bf16
             # (half a bf16 step: at most 2^-8 relative) before the float32 bias is added
             xb = x.bfloat16().double()

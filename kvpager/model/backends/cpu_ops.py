@@ -27,7 +27,7 @@ from kvpager.model.backends.kernel_checks import (
 )
 from kvpager.model.backends.kernels.abi import KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelLibrary
-from kvpager.model.backends.quant_weights import NATIVE_BF16_MIN_ROWS
+from kvpager.model.backends.quant_weights import NATIVE_BF16_AFTER_ROWS
 from kvpager.model.backends.torch_ops import TorchOps, mixed_linear
 from kvpager.model.backends.weight_layout import BLOCK, blocked_stride, convert_linear_weights, unblocked
 from kvpager.model.spec import ModelSpec
@@ -108,7 +108,7 @@ class CpuKernelOps(TorchOps):
             "torch SDPA beyond",
             "decode_layers": f"one kernel call per decode-only step up to {fused} rows over float32 weights, "
             f"up to {SMALL_BATCH_LINEAR} over packed 16-bit weights"
-            + (f" ({NATIVE_BF16_MIN_ROWS} over bfloat16: oneDNN's bf16 GEMM beyond)" if self._bf16_linear else ""),
+            + (f" ({NATIVE_BF16_AFTER_ROWS} over bfloat16: oneDNN's bf16 GEMM beyond)" if self._bf16_linear else ""),
         }
 
     def kernel_stats(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from kvpager.model.backends.kernels.build import KernelLibrary
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight
 from kvpager.model.backends.quant_kernels import quant_kernels_or_none
 from kvpager.model.backends.quant_weights import (
-    NATIVE_BF16_MIN_ROWS,
+    NATIVE_BF16_AFTER_ROWS,
     Bf16Weight,
     HalfWeight,
     Int4Weight,
@@ -166,7 +166,7 @@ class FusedLayerStack:
         """The most rows the fused stack takes over the weights of a layer table: FUSED_MAX_ROWS when
         every weight is in column blocks, except at "medium" precision with the bfloat16 linear (faster
         above SMALL_BATCH_LINEAR rows), or an int8-activation weight (whose own row limit `_dot_linear`
-        applies); NATIVE_BF16_MIN_ROWS over bfloat16 weights where Bf16Weight.matmul hands more rows to
+        applies); NATIVE_BF16_AFTER_ROWS over bfloat16 weights where Bf16Weight.matmul hands more rows to
         oneDNN's bf16 GEMM (so the fused step computes what the per-op path does); SMALL_BATCH_LINEAR
         otherwise."""
         halves = built.halves
@@ -175,7 +175,7 @@ class FusedLayerStack:
         if built.all_blocked and not (self._bf16_linear and medium_precision()):
             return FUSED_MAX_ROWS
         if any(isinstance(w, Bf16Weight) for w in halves) and native_bf16_matmul_available():
-            return NATIVE_BF16_MIN_ROWS
+            return NATIVE_BF16_AFTER_ROWS
         return SMALL_BATCH_LINEAR
 
     def _packed_linear(self, built: LayerTable) -> tuple[int, int] | None:

@@ -53,7 +53,11 @@ from kvpager.model.backends.quant_kernels import (
 # up to this many input rows the kernel's shared L1 tile beat dequantize + torch's float32 GEMM (2048 x 2048,
 # every format, 32-128 rows); beyond it the GEMM path amortises the dequantization over the rows
 KERNEL_MAX_ROWS = 128
-NATIVE_BF16_MIN_ROWS = 16  # from this many rows oneDNN's bf16 GEMM (AMX / AVX512-BF16) takes a bf16 weight
+# batches of more than this many rows over a bfloat16 weight go to oneDNN's bf16 GEMM (AMX / AVX512-BF16):
+# the packed-weight kernel (float32 activations, the weight widened in registers) streams one or two rows
+# at the weight's read speed, but its arithmetic grows with every row, while oneDNN's stays near the read
+# (BENCHMARKS.md, "bfloat16 decode steps in oneDNN")
+NATIVE_BF16_AFTER_ROWS = 2
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 BF16_CHUNK_BYTES = 4 << 20  # bytes of bfloat16 weight rows dequantized at a time for bf16_matmul
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
@@ -236,7 +240,7 @@ class Bf16Weight(HalfWeight):
     fmt, method, dtype = FMT_BF16, "bfloat16", torch.bfloat16
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_MIN_ROWS and _native_bf16():
+        if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_AFTER_ROWS and _native_bf16():
             out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
             # the bias (Qwen2's) stays in the compute dtype: added after, in float32
             return out + bias.to(out.dtype) if bias is not None else out
