@@ -16,6 +16,7 @@ from kvpager.core.config import DTYPE_BYTES, EngineConfig, resolve_dtype, resolv
 from kvpager.core.hashing import FingerprintComponent, RequestId, model_fingerprint
 from kvpager.core.scheduler import SchedulerOutput
 from kvpager.core.sizing import PoolSize, default_cpu_kv_budget, default_cuda_kv_budget, pool_size
+from kvpager.engine.host_malloc import keep_freed_memory
 from kvpager.engine.paths import resolve_model_dir
 from kvpager.gguf import GGUFModel, is_gguf_path, open_gguf
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
@@ -138,6 +139,8 @@ def load(config: EngineConfig, parallel: TensorParallel | None = None) -> Loaded
     tokenizer = load_tokenizer(config.tokenizer, model_dir, gguf_model)
     max_model_len = resolve_max_model_len(config, spec)
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        logger.info("host memory: %s", keep_freed_memory(os.environ))
     int8_activations = resolve_gguf_int8_activations(
         config.gguf_int8_activations,
         gguf=gguf_model is not None,
