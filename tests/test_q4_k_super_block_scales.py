@@ -16,9 +16,16 @@ import pytest
 import torch
 from kquants import encode_q4_k, encode_q6_k
 
-from kvpager.gguf.blocks import K_RECORD_BYTES, unpack_blocks
+from kvpager.gguf.blocks import K_RECORD_BYTES, Q6_RECORD_BYTES, unpack_blocks
 from kvpager.gguf.executed import DOT_FORMS, PACKED_FORMS
-from kvpager.model.backends.k_scales import FMT_K_SCALES, KScaledInt4DotWeight, expand_k_records
+from kvpager.model.backends.k_scales import (
+    FMT_K_SCALES,
+    KScaledInt4DotWeight,
+    expand_k_records,
+    expand_k_records_in_torch,
+    expand_q6_records,
+    expand_q6_records_in_torch,
+)
 from kvpager.model.backends.quant_dot import Int4DotWeight
 from kvpager.model.backends.quant_kernels import FMT_INT4, LEVEL_PORTABLE, quant_kernels_or_none
 from kvpager.model.gguf_packed import RowStack, packed_from_blocks, stack_rows
@@ -119,3 +126,26 @@ def test_a_row_count_other_than_the_records_is_refused() -> None:
         KScaledInt4DotWeight(weight.plain_packed(), weight.records[:4], 512)
     with pytest.raises(ValueError, match="multiple of 256"):
         KScaledInt4DotWeight(weight.plain_packed()[:, :64], weight.records[:, :1], 128)
+
+
+def _random_records(rows: int, supers: int, record_bytes: int, halves: int, seed: int) -> torch.Tensor:
+    """Records of random bytes whose leading `halves` float16 values are finite (every sign, zeros and
+    subnormals included): the kernel and torch must agree on all of them."""
+    gen = torch.Generator().manual_seed(seed)
+    records = torch.randint(0, 256, (rows, supers, record_bytes), dtype=torch.uint8, generator=gen)
+    head = records[..., : 2 * halves].contiguous().view(torch.float16)
+    head[~torch.isfinite(head)] = 0.5
+    head.view(-1)[:4] = torch.tensor([0.0, -0.0, 6e-8, -65504.0], dtype=torch.float16)
+    records[..., : 2 * halves] = head.view(torch.uint8)
+    return records
+
+
+@pytest.mark.parametrize("rows", [1, 7, 700])  # 700 x 8 records: the threaded loop
+def test_kernel_expansion_of_the_records_equals_torchs_bit_for_bit(rows: int) -> None:
+    k_records = _random_records(rows, 8, K_RECORD_BYTES, 2, seed=rows)
+    got, want = expand_k_records(k_records), expand_k_records_in_torch(k_records)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and torch.equal(g.view(torch.int32), w.view(torch.int32))  # -0.0 too
+    q6_records = _random_records(rows, 8, Q6_RECORD_BYTES, 1, seed=rows + 1)
+    got_q6, want_q6 = expand_q6_records(q6_records), expand_q6_records_in_torch(q6_records)
+    assert got_q6.shape == want_q6.shape and torch.equal(got_q6.view(torch.int32), want_q6.view(torch.int32))

@@ -59,7 +59,23 @@ PACK_CHUNK_ROWS = 1024  # rows Q6PackedDotWeight.from_q6_values packs at a time
 
 def expand_k_records(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """records uint8 [N, S, K_RECORD_BYTES] -> (scales, offsets) float32 [N, S * K_GROUPS]: d * sc and
-    -(dmin * m), the values kvpager.gguf.blocks computes (exact in float32)."""
+    -(dmin * m), the values kvpager.gguf.blocks computes (exact in float32). On the CPU the kernel library
+    expands them (kvq_dot_expand_records: the same values), else expand_k_records_in_torch."""
+    n, supers, _ = records.shape
+    kernels = quant_kernels_or_none() if records.device.type == "cpu" else None
+    if kernels is None:
+        return expand_k_records_in_torch(records)
+    scales = torch.empty((n, supers * K_GROUPS), dtype=torch.float32)
+    offsets = torch.empty((n, supers * K_GROUPS), dtype=torch.float32)
+    rec = records.contiguous()
+    kernels.dot_expand_records(
+        0, rec.data_ptr(), n * supers, scales.data_ptr(), offsets.data_ptr(), torch.get_num_threads()
+    )
+    return scales, offsets
+
+
+def expand_k_records_in_torch(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """expand_k_records by torch ops (off the CPU, or without the kernel library)."""
     n, supers, _ = records.shape
     halves = records[..., :4].contiguous().view(torch.float16).float()  # [N, S, 2]: d, dmin
     sc, mins = records[..., 4 : 4 + K_GROUPS].float(), records[..., 4 + K_GROUPS :].float()
@@ -161,7 +177,19 @@ class KScaledInt4DotWeight(_FileScales, Int4DotWeight):
 
 def expand_q6_records(records: torch.Tensor) -> torch.Tensor:
     """records uint8 [N, S, Q6_RECORD_BYTES] -> scales float32 [N, S * Q6_GROUPS]: d * sc, the values
-    kvpager.gguf.blocks computes (exact in float32)."""
+    kvpager.gguf.blocks computes (exact in float32); on the CPU by the kernel library, as expand_k_records."""
+    n, supers, _ = records.shape
+    kernels = quant_kernels_or_none() if records.device.type == "cpu" else None
+    if kernels is None:
+        return expand_q6_records_in_torch(records)
+    scales = torch.empty((n, supers * Q6_GROUPS), dtype=torch.float32)
+    rec = records.contiguous()
+    kernels.dot_expand_records(1, rec.data_ptr(), n * supers, scales.data_ptr(), None, torch.get_num_threads())
+    return scales
+
+
+def expand_q6_records_in_torch(records: torch.Tensor) -> torch.Tensor:
+    """expand_q6_records by torch ops (off the CPU, or without the kernel library)."""
     n, supers, _ = records.shape
     d = records[..., :2].contiguous().view(torch.float16).float()  # [N, S, 1]
     sc = records[..., 2:].contiguous().view(torch.int8).float()
@@ -309,5 +337,7 @@ __all__ = [
     "PlaneCodes",
     "Q6PackedDotWeight",
     "expand_k_records",
+    "expand_k_records_in_torch",
     "expand_q6_records",
+    "expand_q6_records_in_torch",
 ]

@@ -71,6 +71,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_dot_panel_rows": ([_I], ctypes.c_int64),
     "kvq_dot_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int64),
     "kvq_dot_plane_codes": ([_I, _P, _P, _I, _I, _P, _I, _I], ctypes.c_int64),
+    "kvq_dot_expand_records": ([_I, _P, _I, _P, _P, _I], None),
 }
 
 
@@ -88,6 +89,7 @@ class QuantKernels:
     dequant_bf16: Any  # kvq_dequant_bf16: dequantized rows rounded to bfloat16 (the bf16 GEMM's operand)
     dot_panel_rows: Any  # kvq_dot_panel_rows(cap): batches from this many rows take 8-row panels (0: none)
     dot_plane_codes: Any  # kvq_dot_plane_codes: a GGUF Q5_K / Q6_K packed weight's codes (its float form's)
+    dot_expand_records: Any  # kvq_dot_expand_records: GGUF Q4_K / Q6_K records -> float32 scales (and offsets)
 
     @property
     def default_level(self) -> int:
@@ -173,6 +175,7 @@ def load_quant_kernels() -> QuantKernels:
         lib.kvq_dequant_bf16,
         lib.kvq_dot_panel_rows,
         lib.kvq_dot_plane_codes,
+        lib.kvq_dot_expand_records,
     )
     logger.info("packed-weight linear: %s", kernels.describe())
     return kernels

@@ -284,4 +284,21 @@ int64_t kvq_dot_plane_codes(int64_t fmt, const void* w, const void* plane, int64
   return 0;
 }
 
+// The float32 scales (and Q4_K's offsets) of GGUF super-block records, as the float32 forms hold them:
+// q6 == 0: `records` [rows, kKRecord] (Q4_K / Q5_K) -> scales and offsets [rows, kKGroups] (d * sc,
+// -dmin * m); q6 != 0: [rows, kQ6Record] (Q6_K) -> scales [rows, kQ6Groups] (d * sc; offsets unused).
+// Exact in float32 (a float16 times a small integer), so the same values as a torch expansion, built
+// here because the exact and bfloat16 paths expand a weight's records on every batch they take.
+void kvq_dot_expand_records(int64_t q6, const uint8_t* records, int64_t rows, float* scales, float* offsets,
+                            int64_t num_threads) {
+  const int threads = static_cast<int>(rows >= (1 << 12) ? std::max<int64_t>(1, num_threads) : 1);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < rows; ++i) {
+    if (q6)
+      kvqd_simd::Portable::expand_q6(records + i * kQ6Record, scales + i * kQ6Groups);
+    else
+      kvqd_simd::Portable::expand_k(records + i * kKRecord, scales + i * kKGroups, offsets + i * kKGroups);
+  }
+}
+
 }  // extern "C"
