@@ -108,7 +108,11 @@ class CpuKernelOps(TorchOps):
             "torch SDPA beyond",
             "decode_layers": f"one kernel call per decode-only step up to {fused} rows over float32 weights, "
             f"up to {SMALL_BATCH_LINEAR} over packed 16-bit weights"
-            + (f" ({NATIVE_BF16_AFTER_ROWS} over bfloat16: oneDNN's bf16 GEMM beyond)" if self._bf16_linear else ""),
+            + (
+                f" ({NATIVE_BF16_AFTER_ROWS} over bfloat16: AMX tiles or oneDNN's bf16 GEMM beyond)"
+                if self._bf16_linear
+                else ""
+            ),
         }
 
     def kernel_stats(self) -> dict[str, Any]:

@@ -31,8 +31,8 @@ logger = logging.getLogger("kvpager")
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 # quant.cpp: the exact kernels (dequantize in registers); quant_dot.cpp: integer dot products with
-# activations quantized per block of 32 (w8a8_int8 / w4a8_int8)
-SOURCES = (KERNEL_DIR / "quant.cpp", KERNEL_DIR / "quant_dot.cpp")
+# activations quantized per block of 32 (w8a8_int8 / w4a8_int8); amx_bf16.cpp: bfloat16 batches in AMX tiles
+SOURCES = (KERNEL_DIR / "quant.cpp", KERNEL_DIR / "quant_dot.cpp", KERNEL_DIR / "amx_bf16.cpp")
 INCLUDES = (
     KERNEL_DIR / "half_bits.h",
     KERNEL_DIR / "int4_rows.h",
@@ -72,6 +72,8 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_dot_linear": ([_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int64),
     "kvq_dot_plane_codes": ([_I, _P, _P, _I, _I, _P, _I, _I], ctypes.c_int64),
     "kvq_dot_expand_records": ([_I, _P, _I, _P, _P, _I], None),
+    "kvq_amx_bf16_ready": ([], ctypes.c_int64),
+    "kvq_amx_bf16_linear": ([_P, _I, _P, _I, _I, _P, _I], ctypes.c_int64),
 }
 
 
@@ -90,6 +92,8 @@ class QuantKernels:
     dot_panel_rows: Any  # kvq_dot_panel_rows(cap): batches from this many rows take 8-row panels (0: none)
     dot_plane_codes: Any  # kvq_dot_plane_codes: a GGUF Q5_K / Q6_K packed weight's codes (its float form's)
     dot_expand_records: Any  # kvq_dot_expand_records: GGUF Q4_K / Q6_K records -> float32 scales (and offsets)
+    amx_bf16_linear: Any  # kvq_amx_bf16_linear: float32 rows @ a plain bfloat16 weight in AMX tiles (-1: not taken)
+    amx_bf16: bool  # kvq_amx_bf16_ready(): this CPU and OS run AMX bfloat16 tiles in this process
 
     @property
     def default_level(self) -> int:
@@ -101,6 +105,14 @@ class QuantKernels:
         chosen, best = self.default_level, self.best_level
         why = "the best this CPU has" if chosen == best else f"{ISA_ENV}=portable; this CPU has {LEVEL_NAMES[best]}"
         return f"{LEVEL_NAMES[chosen]} kernel ({why}; dequantize in registers, float32 accumulation)"
+
+    def describe_amx(self) -> str:
+        """One line for the start-up log: whether bfloat16 batches can run in AMX tiles here, and why."""
+        if not self.amx_bf16:
+            return "no AMX bfloat16 tiles (this CPU or OS lacks AMX-TILE / AMX-BF16): oneDNN's GEMM"
+        if self.default_level < LEVEL_AVX512:
+            return f"AMX bfloat16 tiles off ({ISA_ENV}=portable): oneDNN's GEMM"
+        return "AMX bfloat16 tiles reading the plain weight (bfloat16 activations, float32 accumulation)"
 
     def describe_dot(self) -> str:
         """One line for the start-up log: the integer-dot path (w8a8_int8 / w4a8_int8) and why."""
@@ -176,8 +188,11 @@ def load_quant_kernels() -> QuantKernels:
         lib.kvq_dot_panel_rows,
         lib.kvq_dot_plane_codes,
         lib.kvq_dot_expand_records,
+        lib.kvq_amx_bf16_linear,
+        bool(lib.kvq_amx_bf16_ready()),
     )
     logger.info("packed-weight linear: %s", kernels.describe())
+    logger.info("bfloat16 batches: %s", kernels.describe_amx())
     return kernels
 
 

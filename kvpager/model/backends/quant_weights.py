@@ -45,6 +45,7 @@ from kvpager.model.backends.quant_kernels import (
     FMT_INT4,
     FMT_INT8,
     FMT_ROWS4,
+    LEVEL_AVX512,
     QuantKernels,
     load_quant_kernels,
     quant_kernels_or_none,
@@ -58,6 +59,11 @@ KERNEL_MAX_ROWS = 128
 # at the weight's read speed, but its arithmetic grows with every row, while oneDNN's stays near the read
 # (BENCHMARKS.md, "bfloat16 decode steps in oneDNN")
 NATIVE_BF16_AFTER_ROWS = 2
+# batches of more than NATIVE_BF16_AFTER_ROWS and up to this many rows over a bfloat16 weight run in the AMX
+# tile kernel where the CPU has it (kernels/amx_bf16.cpp: the plain weight read once per 32 rows, no reorder);
+# larger batches in oneDNN's GEMM, whose blocked kernels reuse each weight tile across more rows and
+# overtook the tiles between 384 and 512 rows (1b shapes, 2 threads)
+AMX_MAX_ROWS = 256
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 BF16_CHUNK_BYTES = 4 << 20  # bytes of bfloat16 weight rows dequantized at a time for bf16_matmul
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
@@ -235,16 +241,47 @@ class HalfWeight(DenseWeight):
 
 
 class Bf16Weight(HalfWeight):
-    """A bfloat16 weight; large batches on CPUs with AMX / AVX512-BF16 in oneDNN's bf16 GEMM."""
+    """A bfloat16 weight; batches of more than NATIVE_BF16_AFTER_ROWS rows on CPUs with AMX / AVX512-BF16
+    in bfloat16 arithmetic (activations rounded to bfloat16, float32 accumulation): up to AMX_MAX_ROWS in
+    the AMX tile kernel where it runs, otherwise in oneDNN's bf16 GEMM."""
 
     fmt, method, dtype = FMT_BF16, "bfloat16", torch.bfloat16
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, self.in_features).shape[0] > NATIVE_BF16_AFTER_ROWS and _native_bf16():
-            out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
+        rows = x.reshape(-1, self.in_features).shape[0]
+        if rows > NATIVE_BF16_AFTER_ROWS and _native_bf16():
+            kernels = self._amx_kernels(x, rows)
+            if kernels is not None:
+                out = self._amx_matmul(x, rows, kernels).to(x.dtype)
+            else:
+                out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
             # the bias (Qwen2's) stays in the compute dtype: added after, in float32
             return out + bias.to(out.dtype) if bias is not None else out
         return super().matmul(x, bias)
+
+    def _amx_kernels(self, x: torch.Tensor, rows: int) -> QuantKernels | None:
+        """The kernels where the AMX tile kernel takes this batch, else None: a CPU batch of up to
+        AMX_MAX_ROWS rows, AMX usable here and not capped below AVX-512 (max_level, $KVPAGER_KERNEL_ISA),
+        both dimensions multiples of 32 (whole tiles)."""
+        if rows > AMX_MAX_ROWS or x.device.type != "cpu" or self.weight.device.type != "cpu":
+            return None
+        if self.in_features % 32 or self.out_features % 32:
+            return None
+        kernels = quant_kernels_or_none()
+        if kernels is None or not kernels.amx_bf16 or self._level(kernels) < LEVEL_AVX512:
+            return None
+        return kernels
+
+    def _amx_matmul(self, x: torch.Tensor, rows: int, kernels: QuantKernels) -> torch.Tensor:
+        xf = x.reshape(rows, self.in_features).float().contiguous()
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        done = kernels.amx_bf16_linear(
+            xf.data_ptr(), rows, self.weight.data_ptr(), self.out_features, self.in_features, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if done != 0:  # the kernel refused (no memory for the packed rows): oneDNN computes the same
+            out = F.linear(xf.to(torch.bfloat16), self.weight).float()
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class F16Weight(HalfWeight):

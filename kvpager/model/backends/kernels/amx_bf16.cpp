@@ -1,0 +1,215 @@
+// AMX bfloat16 linear: out[M, N] = bf16(x)[M, K] @ w[N, K]^T with float32 accumulation, reading the plain
+// row-major bfloat16 weight (a model's own tensor) with tile loads: no packed copy of the weight.
+//
+// The product is computed transposed, out^T = w @ x^T, so the weight is the tile multiply's first operand
+// (16 output rows x 32 inputs, one 64-byte line of each of 16 weight rows: a strided tile load of the
+// plain layout) and the activations the second, which AMX wants pair-interleaved: x is rounded to bfloat16
+// (round to nearest even, as torch's .to(torch.bfloat16)) and packed per block of 16 rows as
+// [K / 2][16 rows][2]. Each thread takes a contiguous run of 32-row output blocks and streams its weight
+// rows once per block of 32 activation rows (two blocks of 16 with four accumulator tiles), so a batch of
+// up to 32 rows reads the weight once, at the memory's speed, where oneDNN's GEMM on the plain weight
+// reorders it first. Larger batches (prefill) stay on oneDNN (quant_weights.AMX_MAX_ROWS).
+//
+// A row's result does not depend on the other rows (each is its own column of the tile product, summed
+// over K in the same order). AMX computes with denormal bfloat16 inputs read as zero.
+//
+// kvq_amx_bf16_ready() says whether the CPU has AMX-TILE + AMX-BF16, the kernel enabled their state
+// (XCR0) and granted this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+). Built
+// only for x86-64 Linux with a compiler that has the AMX intrinsics (GCC 11+, clang 12+); elsewhere
+// the library has the two entry points and reports "not ready".
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if (defined(__x86_64__) && defined(__linux__)) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define KVQ_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRowBlock = 16;  // activation rows per tile (the tile's columns)
+constexpr int64_t kOutBlock = 32;  // output rows per thread step: two weight tiles
+constexpr int64_t kTileK = 32;     // bfloat16 inputs per tile row (64 bytes)
+
+}  // namespace
+
+#if defined(KVQ_AMX)
+
+namespace {
+
+constexpr long kArchReqXcompPerm = 0x1023;
+constexpr long kXfeatureXtiledata = 18;
+
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv allowed
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG + XTILEDATA enabled by the OS
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
+
+namespace {
+
+// Row m of x (K floats) rounded to bfloat16 and written as pairs into its block: xp[(j * 16 + m)] is the
+// pair (x[2j], x[2j + 1]) as one 32-bit word.
+void pack_row(const float* x, int64_t K, uint32_t* block, int64_t m) {
+  const __m512i lsb = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0x7fc0);
+  const __m256i lanes = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 v = _mm512_loadu_ps(x + k);
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i round = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), lsb), bias);
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, round), 16);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);  // NaN stays NaN
+    __m256i pairs = _mm512_cvtepi32_epi16(h);  // 16 bfloat16 = 8 pairs, j = k / 2 ...
+    __m256i index = _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int>((k / 2) * kRowBlock + m)));
+    _mm256_i32scatter_epi32(block, index, pairs, 4);
+  }
+}
+
+// 16 (or 32) output rows x 16 activation rows from the accumulator tiles' buffer c[half][16 n][16 m].
+void store_block(const float (*c)[kRowBlock][kRowBlock], int halves, float* out, int64_t N, int64_t n0,
+                 int64_t r0, int64_t M) {
+  for (int64_t m = 0; m < kRowBlock && r0 + m < M; ++m) {
+    float* o = out + (r0 + m) * N + n0;
+    for (int h = 0; h < halves; ++h)
+      for (int64_t i = 0; i < kRowBlock; ++i) o[h * kRowBlock + i] = c[h][i][m];
+  }
+}
+
+void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, float* out, uint32_t* xp,
+                int threads) {
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t block_words = (K / 2) * kRowBlock;
+  const int64_t steps = N / kOutBlock;
+  const int64_t stride = K * 2;  // bytes between weight rows
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < blocks * kRowBlock; ++r) {
+      uint32_t* block = xp + (r / kRowBlock) * block_words;
+      if (r < M) {
+        pack_row(x + r * K, K, block, r % kRowBlock);
+      } else {
+        for (int64_t j = 0; j < K / 2; ++j) block[j * kRowBlock + r % kRowBlock] = 0;
+      }
+    }  // implicit barrier: every block packed before any thread multiplies
+
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) float c[4][kRowBlock][kRowBlock];
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t s0 = steps * id / nt, s1 = steps * (id + 1) / nt;
+    for (int64_t s = s0; s < s1; ++s) {
+      const uint16_t* w0 = w + s * kOutBlock * K;
+      const uint16_t* w1 = w0 + kRowBlock * K;
+      for (int64_t b = 0; b < blocks; b += 2) {
+        const uint32_t* x0 = xp + b * block_words;
+        if (b + 1 < blocks) {
+          const uint32_t* x1 = x0 + block_words;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t k = 0; k < K; k += kTileK) {
+            _tile_loadd(4, w0 + k, stride);
+            _tile_loadd(5, w1 + k, stride);
+            _tile_loadd(6, x0 + (k / 2) * kRowBlock, 64);
+            _tile_loadd(7, x1 + (k / 2) * kRowBlock, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+          store_block(c, 2, out, N, s * kOutBlock, b * kRowBlock, M);
+          store_block(c + 2, 2, out, N, s * kOutBlock, (b + 1) * kRowBlock, M);
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          for (int64_t k = 0; k < K; k += kTileK) {
+            _tile_loadd(4, w0 + k, stride);
+            _tile_loadd(5, w1 + k, stride);
+            _tile_loadd(6, x0 + (k / 2) * kRowBlock, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+          }
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          store_block(c, 2, out, N, s * kOutBlock, b * kRowBlock, M);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+#endif  // KVQ_AMX
+
+extern "C" {
+
+// 1 where the AMX kernel can run in this process (asked once), else 0.
+int64_t kvq_amx_bf16_ready() {
+#if defined(KVQ_AMX)
+  static const bool ready = amx_usable();
+  return ready ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// out[M, N] (float32, row-major) = x[M, K] (float32, row-major, rounded to bfloat16) @ w[N, K]^T (bfloat16
+// bits, row-major). Returns 0, or -1 without writing where the kernel cannot take it: no AMX here, K or N
+// not a multiple of 32, M < 1, or no memory for the packed activations.
+int64_t kvq_amx_bf16_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, float* out,
+                            int64_t threads) {
+  if (!kvq_amx_bf16_ready() || M < 1 || K < kTileK || K % kTileK != 0 || N < kOutBlock || N % kOutBlock != 0)
+    return -1;
+#if defined(KVQ_AMX)
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const size_t bytes = static_cast<size_t>(blocks * (K / 2) * kRowBlock) * sizeof(uint32_t);
+  void* xp = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (xp == nullptr) return -1;
+  amx_linear(x, M, w, N, K, out, static_cast<uint32_t*>(xp), threads > 0 ? static_cast<int>(threads) : 1);
+  std::free(xp);
+  return 0;
+#else
+  (void)x, (void)w, (void)out, (void)threads;
+  return -1;
+#endif
+}
+
+}  // extern "C"
