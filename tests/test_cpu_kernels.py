@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
+from kvpager.model.backends import quant_weights
 from kvpager.model.backends.kernels.build import KernelLibrary, expected_isa, load_cpu_kernels
 from kvpager.model.backends.ops import (
     BLOCKED_KERNEL_MAX_ROWS,
@@ -29,6 +30,7 @@ from kvpager.model.backends.ops import (
     TorchOps,
     select_ops,
 )
+from kvpager.model.backends.quant_weights import AMX_MAX_ROWS, NATIVE_BF16_AFTER_ROWS, Bf16Weight
 from kvpager.model.backends.weight_layout import block_stride, blocked_stride, to_blocked
 
 pytestmark = pytest.mark.slow  # C++ kernel builds
@@ -43,6 +45,7 @@ KERNELS = (
     "_rms_norm",
     "_add_rms_norm",
     "_silu_mul",
+    "_silu_mul_bf16",
     "_rope_and_cache",
     "_paged_decode",
     "_prefill_attention",
@@ -236,6 +239,50 @@ def test_silu_mul_matches_torch(kops: SpyOps, threads: int, rows: int, inter: in
     gate_up = _randn(rows, 2 * inter, seed=8) * 4
     _assert_close(kops.silu_mul(gate_up), REF.silu_mul(gate_up))
     assert kops.calls["_silu_mul"] == 1
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 37), (3, 1030)], ids=["tail", "chunks"])
+def test_silu_mul_bf16_is_the_float32_kernel_rounded_to_bfloat16(
+    kops: SpyOps, threads: int, rows: int, inter: int
+) -> None:
+    gate_up = (_randn(rows, 2 * inter, seed=10) * 4).bfloat16()
+    gate_up[0, :5] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1000.0, -1000.0])
+    out = torch.empty(rows, inter, dtype=torch.bfloat16)
+    kops._silu_mul_bf16(gate_up=gate_up, out=out)
+    expected = kops.silu_mul(gate_up.float()).bfloat16()  # torch's rounding of the float32 kernel's results
+    # the same values; a NaN is written as the canonical 0x7FC0 (torch keeps its sign and payload)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def _bf16_mlp(seed: int, bias: bool = False) -> tuple[Bf16Weight, torch.Tensor | None, Bf16Weight]:
+    gate_up = Bf16Weight((_randn(2 * 96, 64, seed=seed) * 0.1).bfloat16())
+    down = Bf16Weight((_randn(64, 96, seed=seed + 1) * 0.1).bfloat16())
+    return gate_up, (_randn(2 * 96, seed=seed + 2) if bias else None), down
+
+
+def test_bf16_mlp_keeps_the_values_of_widening_between_the_projections(
+    kops: SpyOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a prompt-sized batch, where oneDNN's bf16 GEMM runs (forced on CPUs without it: torch emulates it)
+    monkeypatch.setattr(quant_weights, "_native_bf16", lambda: True)
+    gate_up, _, down = _bf16_mlp(20)
+    x = _randn(AMX_MAX_ROWS + 44, 64, seed=23)
+    got = kops.mlp(x, gate_up, None, down, None)
+    assert kops.calls["_silu_mul_bf16"] == 1 and kops.calls["_silu_mul"] == 0
+    expected = kops.linear(kops.silu_mul(kops.linear(x, gate_up, None)), down, None)  # float32 between them
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+def test_bf16_mlp_widens_where_the_bfloat16_step_does_not_apply(kops: SpyOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant_weights, "_native_bf16", lambda: True)
+    gate_up, bias, down = _bf16_mlp(30, bias=True)
+    x = _randn(AMX_MAX_ROWS + 44, 64, seed=33)
+    with_bias = kops.mlp(x, gate_up, bias, down, None)  # a biased projection: the generic path
+    assert torch.equal(with_bias, kops.linear(kops.silu_mul(kops.linear(x, gate_up, bias)), down, None))
+    kops.mlp(x[:NATIVE_BF16_AFTER_ROWS], gate_up, None, down, None)  # the packed-weight kernel's rows
+    floats = (gate_up.dequantize(), down.dequantize())
+    kops.mlp(x, floats[0], None, floats[1], None)  # float32 weights
+    assert kops.calls["_silu_mul_bf16"] == 0 and kops.calls["_silu_mul"] == 4  # three MLPs, the expectation
 
 
 def test_silu_mul_large_magnitudes_do_not_overflow_to_nan(kops: SpyOps) -> None:

@@ -82,8 +82,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        up, down = self.gate_up_proj, self.down_proj
+        return ops.mlp(x, up.weight, up.bias, down.weight, down.bias)
 
 
 class DecoderLayer(nn.Module):

@@ -27,7 +27,7 @@ from kvpager.model.backends.kernel_checks import (
 )
 from kvpager.model.backends.kernels.abi import KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelLibrary
-from kvpager.model.backends.quant_weights import NATIVE_BF16_AFTER_ROWS
+from kvpager.model.backends.quant_weights import NATIVE_BF16_AFTER_ROWS, Bf16Weight
 from kvpager.model.backends.torch_ops import TorchOps, mixed_linear
 from kvpager.model.backends.weight_layout import BLOCK, blocked_stride, convert_linear_weights, unblocked
 from kvpager.model.spec import ModelSpec
@@ -71,6 +71,7 @@ class CpuKernelOps(TorchOps):
         self._rms_norm = kernels.fn("kvp_rms_norm")
         self._add_rms_norm = kernels.fn("kvp_add_rms_norm")
         self._silu_mul = kernels.fn("kvp_silu_mul")
+        self._silu_mul_bf16 = kernels.fn("kvp_silu_mul_bf16")
         self._rope_and_cache = kernels.fn("kvp_rope_and_cache")
         self._paged_decode = kernels.fn("kvp_paged_decode")
         self._set_num_threads = kernels.fn("kvp_set_num_threads")
@@ -229,6 +230,33 @@ class CpuKernelOps(TorchOps):
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
         self._silu_mul(gate_up=gate_up, out=out)
         return out
+
+    def mlp(
+        self,
+        x: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        gate_up_bias: torch.Tensor | None,
+        down_weight: torch.Tensor,
+        down_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # Where oneDNN's bf16 GEMM runs both projections (bfloat16 weights, prompt-sized batches), the
+        # gate/up product stays bfloat16 into the SwiGLU kernel, whose output is the down projection's
+        # bfloat16 input: the same values as widening to float32 between them (the GEMM rounds its result
+        # to bfloat16, the down projection its input), without the widest tensors in float32.
+        if (
+            isinstance(gate_up_weight, Bf16Weight)
+            and isinstance(down_weight, Bf16Weight)
+            and gate_up_bias is None
+            and down_bias is None
+            and x.dtype == torch.float32
+            and gate_up_weight.onednn_takes(x.shape[0])
+            and down_weight.onednn_takes(x.shape[0])
+        ):
+            gate_up = gate_up_weight.bf16_product(x)
+            act = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.bfloat16)
+            self._silu_mul_bf16(gate_up=gate_up, out=act)
+            return down_weight.bf16_product(act).float()
+        return super().mlp(x, gate_up_weight, gate_up_bias, down_weight, down_bias)
 
     def rope_and_cache(
         self,

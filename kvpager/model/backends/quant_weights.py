@@ -250,20 +250,29 @@ class Bf16Weight(HalfWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).shape[0]
         if rows > NATIVE_BF16_AFTER_ROWS and _native_bf16():
-            kernels = self._amx_kernels(x, rows)
+            kernels = self._amx_kernels(rows) if x.device.type == "cpu" else None
             if kernels is not None:
                 out = self._amx_matmul(x, rows, kernels).to(x.dtype)
             else:
-                out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
+                out = self.bf16_product(x).to(x.dtype)  # oneDNN's bf16 GEMM (AMX)
             # the bias (Qwen2's) stays in the compute dtype: added after, in float32
             return out + bias.to(out.dtype) if bias is not None else out
         return super().matmul(x, bias)
 
-    def _amx_kernels(self, x: torch.Tensor, rows: int) -> QuantKernels | None:
-        """The kernels where the AMX tile kernel takes this batch, else None: a CPU batch of up to
+    def onednn_takes(self, rows: int) -> bool:
+        """Whether `matmul` of `rows` CPU rows runs oneDNN's bf16 GEMM (a bfloat16 product, widened after)."""
+        return rows > NATIVE_BF16_AFTER_ROWS and _native_bf16() and self._amx_kernels(rows) is None
+
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's bf16 GEMM as `matmul` runs it, its bfloat16 result kept (no bias): for a caller whose
+        next step reads bfloat16 (CpuKernelOps.mlp)."""
+        return F.linear(x.to(torch.bfloat16), self.weight)
+
+    def _amx_kernels(self, rows: int) -> QuantKernels | None:
+        """The kernels where the AMX tile kernel takes a CPU batch of `rows`, else None: up to
         AMX_MAX_ROWS rows, AMX usable here and not capped below AVX-512 (max_level, $KVPAGER_KERNEL_ISA),
-        both dimensions multiples of 32 (whole tiles)."""
-        if rows > AMX_MAX_ROWS or x.device.type != "cpu" or self.weight.device.type != "cpu":
+        a CPU weight whose dimensions are multiples of 32 (whole tiles)."""
+        if rows > AMX_MAX_ROWS or self.weight.device.type != "cpu":
             return None
         if self.in_features % 32 or self.out_features % 32:
             return None

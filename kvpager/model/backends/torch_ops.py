@@ -72,6 +72,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def mlp(
+        self,
+        x: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        gate_up_bias: torch.Tensor | None,
+        down_weight: torch.Tensor,
+        down_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """SwiGLU: down(silu(gate) * up), gate and up one fused projection of x [T, hidden]."""
+        return self.linear(self.silu_mul(self.linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
+
     def rope_and_cache(
         self,
         qkv: torch.Tensor,

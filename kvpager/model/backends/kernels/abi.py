@@ -16,6 +16,7 @@ from kvpager.model.backends.kernels.binding import Float, Int, KernelSpec, Tenso
 
 F32 = (torch.float32,)
 I64 = (torch.int64,)
+BF16 = (torch.bfloat16,)
 KV = (torch.float32, torch.bfloat16, torch.float16)  # KV cache elements; "kv" binds their element size
 # kv_format: how the kernels read the KV cache's elements (kKvFloat32 / kKvBfloat16 / kKvFloat16 in common.h)
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -206,6 +207,16 @@ SPECS: tuple[KernelSpec, ...] = (
         (
             ("gate_up", Tensor(F32, ("rows", "width"))),
             ("out", Tensor(F32, ("rows", "inter"), writes=True)),
+            ("rows", Int("rows")),
+            ("inter", Int("inter")),
+        ),
+        checks=(("gate_up is twice as wide as out", lambda s: s["width"] == 2 * s["inter"]),),
+    ),
+    KernelSpec(
+        "kvp_silu_mul_bf16",
+        (
+            ("gate_up", Tensor(BF16, ("rows", "width"))),
+            ("out", Tensor(BF16, ("rows", "inter"), writes=True)),
             ("rows", Int("rows")),
             ("inter", Int("inter")),
         ),

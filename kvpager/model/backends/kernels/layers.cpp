@@ -4,10 +4,14 @@
 namespace {
 
 using kvp::dot;
+using kvp::bf16_t;
 using kvp::fast_exp;
+using kvp::kv_load;
+using kvp::kv_store_row;
 using kvp::worth_threads;
 #if defined(__AVX512F__)
 using kvp::fast_exp16;
+using kvp::load16;
 using kvp::reduce16;
 #endif
 
@@ -94,6 +98,26 @@ inline void rope_head(float* __restrict x, const float* __restrict cos, const fl
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * cos[i] - x2 * sin[i];
     x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+// o[i] = silu(g[i]) * u[i] for n elements, g and u float32 or bfloat16 (widened exactly): the same float32
+// arithmetic for both.
+template <typename T>
+inline void silu_mul_span(const T* __restrict g, const T* __restrict u, float* __restrict o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = load16(g + i);
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), load16(u + i)));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) {
+    const float gj = kv_load(g[j]);
+    o[j] = gj / (1.f + fast_exp(-gj)) * kv_load(u[j]);
   }
 }
 
@@ -200,20 +224,25 @@ void kvp_add_rms_norm(float* residual, const float* x, const float* w, float* ou
 void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
 #pragma omp parallel for if (worth_threads(rows * inter))
   for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict g = gate_up + r * 2 * inter;
-    const float* __restrict u = g + inter;
-    float* __restrict o = out + r * inter;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= inter; i += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    const float* g = gate_up + r * 2 * inter;
+    silu_mul_span(g, g + inter, out + r * inter, inter);
+  }
+}
+
+// kvp_silu_mul over bfloat16: gate_up widened exactly, the same float32 arithmetic, each result rounded to
+// bfloat16 as torch rounds (kv_store): bit for bit kvp_silu_mul on the widened rows, then .to(bfloat16).
+// The step between a bfloat16 GEMM's output and the next one's input, with no float32 rows in memory.
+void kvp_silu_mul_bf16(const bf16_t* gate_up, bf16_t* out, int64_t rows, int64_t inter) {
+  constexpr int64_t kChunk = 512;  // float32 results per chunk, in a stack buffer
+#pragma omp parallel for if (worth_threads(rows * inter))
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16_t* g = gate_up + r * 2 * inter;
+    alignas(64) float buf[kChunk];
+    for (int64_t c = 0; c < inter; c += kChunk) {
+      const int64_t n = inter - c < kChunk ? inter - c : kChunk;
+      silu_mul_span(g + c, g + inter + c, buf, n);
+      kv_store_row(out + r * inter + c, buf, n);
     }
-#endif
-#pragma omp simd
-    for (int64_t j = i; j < inter; ++j) o[j] = g[j] / (1.f + fast_exp(-g[j])) * u[j];
   }
 }
 
