@@ -4,7 +4,8 @@ For each weight format (float32 torch, kvpager's bfloat16 / int8 / int4, the sam
 with int8 activations and integer dot products (w8a8_int8 / w4a8_int8: not exact), torch's
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`; on request, w8a8_int8_dot / w4a8_int8_dot: the
 integer-dot kernel at every M, where w8a8_int8 / w4a8_int8 hand batches past `dot_kernel_max_rows` to
-the exact path, or to the bf16 GEMM on CPUs with native bf16 matmul; w4a8_int8_plain / w8a8_int8_plain: w4a8_int8 / w8a8_int8 with their rows stored plain, not interleaved), each K x N shape (input x output features;
+the exact path, or to the bf16 GEMM on CPUs with native bf16 matmul; w4a8_int8_plain / w8a8_int8_plain: w4a8_int8 / w8a8_int8 with their rows stored plain, not interleaved;
+bf16_onednn: bf16 with the AMX tile kernel off, oneDNN's GEMM past two rows), each K x N shape (input x output features;
 by default the linear shapes of Llama-3.2-1B: q/o, k/v, gate/up, down and a tied 32000-row lm_head)
 and each batch of M input rows, the script times y = x @ W.T and reports weight GB/s (weight bytes
 read per call / time), GFLOP/s (2 M N K / time) and the ratio to a read probe that sums a float32
@@ -54,6 +55,10 @@ DOT_ONLY = ("w8a8_int8_dot", "w4a8_int8_dot")
 # four at a time (kernels/int4_rows.h), the layout's before/after (w8a8_int8 interleaves only where the
 # integer dot's path is below VNNI).
 PLAIN = ("w4a8_int8_plain", "w8a8_int8_plain")
+# Also not in the default list: kvpager's bfloat16 weight with the AMX tile kernel off (capped at the AVX2
+# path): oneDNN's bf16 GEMM past NATIVE_BF16_AFTER_ROWS rows on CPUs with native bfloat16 matmul, the AMX
+# kernel's before/after.
+AMX_OFF = ("bf16_onednn",)
 LEVELS = {"avx512": LEVEL_AVX512, "avx2": LEVEL_AVX2, "portable": LEVEL_PORTABLE}  # --max-level
 
 
@@ -99,6 +104,8 @@ def candidates(
         return Candidate(fmt, w.numel() * 4, lambda x, i: torch.nn.functional.linear(x, ws[i]), n)
     if fmt == "bf16":
         return Candidate(fmt, *_packed(Bf16Weight(w.to(torch.bfloat16)), min_mb, max_level))
+    if fmt == "bf16_onednn":
+        return Candidate(fmt, *_packed(Bf16Weight(w.to(torch.bfloat16)), min_mb, LEVEL_AVX2))
     if fmt == "int8":
         return Candidate(fmt + g8, *_packed(Int8Weight.from_float(w, int8_group), min_mb, max_level))
     if fmt == "int4":
@@ -137,7 +144,7 @@ def candidates(
             lambda x, i: torch._weight_int4pack_mm_for_cpu(x, ps[i][0], group, ps[i][1]),
             n,
         )
-    raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS + DOT_ONLY + PLAIN}")
+    raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS + DOT_ONLY + PLAIN + AMX_OFF}")
 
 
 def probe(nbytes: int, min_mb: int) -> Candidate:
