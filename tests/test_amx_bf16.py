@@ -177,3 +177,17 @@ def test_the_start_up_line_says_whether_the_tiles_run(monkeypatch: pytest.Monkey
         assert present.describe_amx().startswith("AMX bfloat16 tiles reading the plain weight")
     monkeypatch.setenv("KVPAGER_KERNEL_ISA", "portable")
     assert "KVPAGER_KERNEL_ISA=portable" in present.describe_amx()
+
+
+def test_amx_tiles_and_onednn_interleave_in_the_same_threads() -> None:
+    # both configure the tiles per call; a prompt in oneDNN between decode steps in the kernel (a server's
+    # steps) must leave each correct
+    _amx_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(256, 512, generator=gen) * 0.05).bfloat16()
+    weight = Bf16Weight(w)
+    small, large = torch.randn(8, 512, generator=gen), torch.randn(AMX_MAX_ROWS + 64, 512, generator=gen)
+    onednn_ref = torch.nn.functional.linear(large.bfloat16(), w).float()
+    for _ in range(3):
+        _assert_bf16_inputs_float32_sums(weight.matmul(small, None), small, w)
+        assert torch.equal(weight.matmul(large, None), onednn_ref)  # past AMX_MAX_ROWS: oneDNN's GEMM
