@@ -74,7 +74,8 @@ inline float kv_load(f16_t v) {
 #endif
 }
 inline void kv_store(float* dst, float v) { *dst = v; }
-// Round to nearest even, NaN to 0x7FC0: bit for bit what torch's float -> bfloat16 conversion does.
+// Round to nearest even, bit for bit torch's float -> bfloat16 conversion for every number; a NaN is
+// written as 0x7FC0 (torch may write another NaN pattern, e.g. 0xFFFF).
 inline void kv_store(bf16_t* dst, float v) {
   const uint32_t b = __builtin_bit_cast(uint32_t, v);
   *dst = std::isnan(v) ? bf16_t(0x7FC0) : bf16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
