@@ -288,8 +288,8 @@ class Bf16Weight(HalfWeight):
             xf.data_ptr(), rows, self.weight.data_ptr(), self.out_features, self.in_features, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
-        if done != 0:  # the kernel refused (no memory for the packed rows): oneDNN computes the same
-            out = F.linear(xf.to(torch.bfloat16), self.weight).float()
+        if done != 0:  # the kernel refused (no memory for the packed rows): oneDNN's GEMM instead
+            out = self.bf16_product(xf).float()
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -88,12 +88,13 @@ void pack_row(const float* x, int64_t K, uint32_t* block, int64_t m) {
   }
 }
 
-// 16 (or 32) output rows x 16 activation rows from the accumulator tiles' buffer c[half][16 n][16 m].
-void store_block(const float (*c)[kRowBlock][kRowBlock], int halves, float* out, int64_t N, int64_t n0,
-                 int64_t r0, int64_t M) {
+// 32 output rows x 16 activation rows, transposed into out, from two accumulator tiles' buffer
+// c[half][16 n][16 m] (half 0: output rows n0..n0+15, half 1: the next 16).
+void store_block(const float (*c)[kRowBlock][kRowBlock], float* out, int64_t N, int64_t n0, int64_t r0,
+                 int64_t M) {
   for (int64_t m = 0; m < kRowBlock && r0 + m < M; ++m) {
     float* o = out + (r0 + m) * N + n0;
-    for (int h = 0; h < halves; ++h)
+    for (int h = 0; h < 2; ++h)
       for (int64_t i = 0; i < kRowBlock; ++i) o[h * kRowBlock + i] = c[h][i][m];
   }
 }
@@ -152,8 +153,8 @@ void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t
           _tile_stored(1, c[1], 64);
           _tile_stored(2, c[2], 64);
           _tile_stored(3, c[3], 64);
-          store_block(c, 2, out, N, s * kOutBlock, b * kRowBlock, M);
-          store_block(c + 2, 2, out, N, s * kOutBlock, (b + 1) * kRowBlock, M);
+          store_block(c, out, N, s * kOutBlock, b * kRowBlock, M);
+          store_block(c + 2, out, N, s * kOutBlock, (b + 1) * kRowBlock, M);
         } else {
           _tile_zero(0);
           _tile_zero(1);
@@ -166,7 +167,7 @@ void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t
           }
           _tile_stored(0, c[0], 64);
           _tile_stored(1, c[1], 64);
-          store_block(c, 2, out, N, s * kOutBlock, b * kRowBlock, M);
+          store_block(c, out, N, s * kOutBlock, b * kRowBlock, M);
         }
       }
     }
