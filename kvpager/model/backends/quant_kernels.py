@@ -109,9 +109,9 @@ class QuantKernels:
     def describe_amx(self) -> str:
         """One line for the start-up log: whether bfloat16 batches can run in AMX tiles here, and why."""
         if not self.amx_bf16:
-            return "no AMX bfloat16 tiles (this CPU or OS lacks AMX-TILE / AMX-BF16): oneDNN's GEMM"
+            return "no AMX bfloat16 tiles (this CPU or OS lacks AMX-TILE / AMX-BF16)"
         if self.default_level < LEVEL_AVX512:
-            return f"AMX bfloat16 tiles off ({ISA_ENV}=portable): oneDNN's GEMM"
+            return f"AMX bfloat16 tiles off ({ISA_ENV}=portable)"
         return "AMX bfloat16 tiles reading the plain weight (bfloat16 activations, float32 accumulation)"
 
     def describe_dot(self) -> str:
