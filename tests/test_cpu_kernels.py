@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
 from kvpager.model.backends import quant_weights
+from kvpager.model.backends.kernels.abi import KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelLibrary, expected_isa, load_cpu_kernels
 from kvpager.model.backends.ops import (
     BLOCKED_KERNEL_MAX_ROWS,
@@ -30,6 +31,7 @@ from kvpager.model.backends.ops import (
     TorchOps,
     select_ops,
 )
+from kvpager.model.backends.quant_kernels import load_quant_kernels
 from kvpager.model.backends.quant_weights import AMX_MAX_ROWS, NATIVE_BF16_AFTER_ROWS, Bf16Weight
 from kvpager.model.backends.weight_layout import block_stride, blocked_stride, to_blocked
 
@@ -49,6 +51,7 @@ KERNELS = (
     "_rope_and_cache",
     "_paged_decode",
     "_prefill_attention",
+    "_prefill_attention_amx",
 )
 
 
@@ -60,7 +63,8 @@ class SpyOps(CpuKernelOps):
         super().__init__(kernels)
         self.calls: Counter[str] = Counter()
         for name in KERNELS:
-            setattr(self, name, self._counted(name, getattr(self, name)))
+            if getattr(self, name) is not None:  # _prefill_attention_amx: None without AMX
+                setattr(self, name, self._counted(name, getattr(self, name)))
 
     def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(**kwargs: Any) -> Any:
@@ -362,9 +366,18 @@ def _compare_attention(kops: SpyOps, q: torch.Tensor, cache: torch.Tensor, meta:
     _assert_close(got, REF.attention(q, cache, meta, scale))
     assert kops.calls["_paged_decode"] == (meta.decode is not None)
     # the prefill kernel takes head_dim 64 and 128; it declines the others (then SDPA runs)
-    assert kops.calls["_prefill_attention"] == bool(meta.prefills)
-    assert kops.calls["_prefill_attention ran"] == (bool(meta.prefills) and q.shape[-1] in (64, 128))
+    ran = bool(meta.prefills) and q.shape[-1] in (64, 128)
+    amx = ran and cache.dtype == torch.bfloat16 and kops._prefill_attention_amx is not None
+    # a bfloat16 cache goes to the AMX kernel where it runs; the float32-arithmetic kernel takes the rest
+    assert kops.calls["_prefill_attention_amx ran"] == amx
+    assert kops.calls["_prefill_attention"] == (bool(meta.prefills) and not amx)
+    assert _prefill_ran(kops) == ran
     return got
+
+
+def _prefill_ran(kops: SpyOps) -> int:
+    """Prefill kernel calls that did the work, either kernel."""
+    return kops.calls["_prefill_attention ran"] + kops.calls["_prefill_attention_amx ran"]
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
@@ -423,27 +436,75 @@ def test_mixed_batch_decode_and_prefill_rows_match_torch(
     _compare_attention(kops, q, cache, meta)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("window", [None, 6, 100])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (9, 3), (4, 4), (8, 1)], ids=["g4", "g3", "g1", "g8"])
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_prefill_chunks_after_cached_context_match_torch(
-    kops: SpyOps, threads: int, head_dim: int, num_heads: int, num_kv_heads: int, window: int | None
+    kops: SpyOps,
+    threads: int,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    kv_dtype: torch.dtype,
 ) -> None:
     # chunked prefill: queries start after 0, 7, 290 and 500 cached positions; 40 and 100 queries
-    # span several query blocks of the kernel, and block_size 5 puts chunk edges inside blocks
+    # span several query blocks of the kernel, and block_size 5 puts chunk edges inside blocks (and
+    # inside the AMX kernel's 32-key chunks); g3 x 40 queries leaves a partial 16-row tile block
     query_lens, seq_lens = [5, 9, 40, 100], [5, 16, 330, 600]
     q, cache, meta = _attention_inputs(
         query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 5, window=window, q_padding=head_dim, seed=9
     )
     assert meta.decode is None and len(meta.prefills) == 4
-    _compare_attention(kops, q, cache, meta)
+    _compare_attention(kops, q, cache.to(kv_dtype), meta)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_amx_prefill_kernel_is_taken_where_the_cpu_and_build_have_it(kops: SpyOps) -> None:
+    # AMX tiles (the OS's permission asked as for the AMX linear kernel) + AVX512-BF16, native builds only
+    amx = load_quant_kernels().amx_bf16 and "avx512_bf16" in _cpu_flags() and kops.kernels.isa == "avx512"
+    assert (kops._prefill_attention_amx is not None) == amx
+    assert ("AMX" in kops.paths()["prefill_attention"]) == amx
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,head_dim", [(torch.float32, 64), (torch.float16, 128), (torch.bfloat16, 40)], ids=["f32", "f16", "hd40"]
+)
+def test_amx_prefill_kernel_declines_other_caches_and_head_dims_without_writing(
+    kv_dtype: torch.dtype, head_dim: int
+) -> None:
+    kops = SpyOps(load_cpu_kernels("native"))
+    if kops._prefill_attention_amx is None:
+        pytest.skip("this CPU (or its OS) has no AMX-BF16 tiles or no AVX512-BF16: no AMX prefill kernel")
+    q, cache, meta = _attention_inputs([6], [6], 4, 2, head_dim, 16, seed=11)
+    starts, query_lens, seq_lens = (torch.tensor([v], dtype=torch.int64) for v in (0, 6, 6))
+    out = torch.full_like(q, 7.0)
+    done = kops._prefill_attention_amx(
+        q=q,
+        out=out,
+        token_start=starts,
+        query_len=query_lens,
+        seq_len=seq_lens,
+        k_cache=cache.to(kv_dtype)[0],
+        v_cache=cache.to(kv_dtype)[1],
+        block_tables=meta.block_tables,
+        window=0,
+        scale=head_dim**-0.5,
+        kv_format=KV_FORMATS[kv_dtype],
+    )
+    assert done == 0 and bool((out == 7.0).all())
 
 
 def test_prefill_beyond_the_kernel_context_limit_runs_in_torch(kops: SpyOps) -> None:
     q, cache, meta = _attention_inputs([3, 2], [PREFILL_KERNEL_MAX_CONTEXT + 1, 2], 4, 2, 64, 16, seed=10)
     scale = 64**-0.5
     _assert_close(kops.attention(q, cache, meta, scale), REF.attention(q, cache, meta, scale))
-    assert kops.calls["_prefill_attention"] == 0
+    assert kops.calls["_prefill_attention"] == kops.calls["_prefill_attention_amx"] == 0
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -476,7 +537,7 @@ def test_16bit_kv_cache_is_written_with_torchs_rounding_and_read_by_the_kernels(
     _assert_close(out, REF.attention(q_ref, cache_ref, meta, head_dim**-0.5))
     assert kops.calls["_rope_and_cache"] == 2 and kops.calls["_paged_decode"] == 1
     # the 3-token prefill, from the 16-bit cache (head_dim 24 and 40 go to SDPA)
-    assert kops.calls["_prefill_attention ran"] == (head_dim in (64, 128))
+    assert _prefill_ran(kops) == (head_dim in (64, 128))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -76,6 +76,10 @@ class CpuKernelOps(TorchOps):
         self._paged_decode = kernels.fn("kvp_paged_decode")
         self._set_num_threads = kernels.fn("kvp_set_num_threads")
         self._prefill_attention = kernels.fn("kvp_prefill_attention")
+        # prefill chunks over a bfloat16 cache in AMX tiles where this CPU and build run them
+        self._prefill_attention_amx = (
+            kernels.fn("kvp_prefill_attention_amx") if kernels.fn("kvp_amx_attention_ready")() else None
+        )
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         self._fused = FusedLayerStack(kernels, self.fallbacks, self._bf16_linear is not None)
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
@@ -105,8 +109,9 @@ class CpuKernelOps(TorchOps):
             "silu_mul": "kernel",
             "rope_and_cache": "kernel (float32, bfloat16 or float16 cache)",
             "decode_attention": "paged kernel",
-            "prefill_attention": f"kernel for head_dim 64 or 128 up to {PREFILL_KERNEL_MAX_CONTEXT} positions, "
-            "torch SDPA beyond",
+            "prefill_attention": f"kernel for head_dim 64 or 128 up to {PREFILL_KERNEL_MAX_CONTEXT} positions"
+            + (" (AMX bfloat16 tiles over a bfloat16 cache)" if self._prefill_attention_amx else "")
+            + ", torch SDPA beyond",
             "decode_layers": f"one kernel call per decode-only step up to {fused} rows over float32 weights, "
             f"up to {SMALL_BATCH_LINEAR} over packed 16-bit weights"
             + (
@@ -354,7 +359,7 @@ class CpuKernelOps(TorchOps):
         if not self._prefill_arrays:
             return False
         starts, query_lens, seq_lens, tables = self._prefill_arrays
-        done = self._prefill_attention(
+        args = dict(
             q=q,
             out=out,
             token_start=starts,
@@ -367,6 +372,11 @@ class CpuKernelOps(TorchOps):
             scale=scale,
             kv_format=KV_FORMATS[kv_layer.dtype],
         )
+        done = False
+        if self._prefill_attention_amx is not None and kv_layer.dtype == torch.bfloat16:
+            done = bool(self._prefill_attention_amx(**args))
+        if not done:
+            done = bool(self._prefill_attention(**args))
         if not done:
             self.fallbacks.record("prefill_attention", "head_dim is not 64 or 128")
-        return bool(done)
+        return done

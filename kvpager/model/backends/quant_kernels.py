@@ -34,6 +34,7 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 # activations quantized per block of 32 (w8a8_int8 / w4a8_int8); amx_bf16.cpp: bfloat16 batches in AMX tiles
 SOURCES = (KERNEL_DIR / "quant.cpp", KERNEL_DIR / "quant_dot.cpp", KERNEL_DIR / "amx_bf16.cpp")
 INCLUDES = (
+    KERNEL_DIR / "amx.h",
     KERNEL_DIR / "half_bits.h",
     KERNEL_DIR / "int4_rows.h",
     KERNEL_DIR / "quant_simd.h",

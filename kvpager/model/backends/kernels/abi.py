@@ -9,6 +9,7 @@ receives it (the caller never passes sizes or strides). The layouts are document
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -114,6 +115,39 @@ _ATTENTION_Q = (
     ("q_stride", Int("q_stride")),
     ("out", Tensor(F32, ("q_rows", "num_heads", "head_dim"), writes=True, row_stride="out_stride")),
     ("out_stride", Int("out_stride")),
+)
+
+# kvp_prefill_attention and its AMX twin (prefill_amx.cpp) take the same arguments
+_PREFILL_ARGS = (
+    *_ATTENTION_Q,
+    ("num_chunks", Int("num_chunks")),
+    ("token_start", Tensor(I64, ("num_chunks",), values=(_zero, lambda s: s["q_rows"]))),
+    ("query_len", Tensor(I64, ("num_chunks",), values=(_one, lambda s: s["q_rows"] + 1))),
+    ("seq_len", Tensor(I64, ("num_chunks",), values=(_one, _context))),
+    ("num_heads", Int("num_heads")),
+    ("num_kv_heads", Int("num_kv_heads")),
+    ("head_dim", Int("head_dim")),
+    ("k_cache", _cache()),
+    ("v_cache", _cache()),
+    ("block_size", Int("block_size")),
+    ("block_tables", Tensor(I64, ("num_chunks", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
+    ("max_blocks", Int("max_blocks")),
+    ("window", Int()),
+    ("scale", Float()),
+    ("kv_format", Int()),
+)
+_PREFILL_RULES: dict[str, Any] = dict(
+    returns="int64_t",
+    checks=(_GQA, ("window >= 0", lambda s: s["window"] >= 0)),
+    dtype_checks=(_kv_format_check("k_cache"),),
+    tensor_checks=(
+        (
+            "each chunk's tokens lie in q and its queries in its context",
+            lambda t, s: bool(
+                ((t["token_start"] + t["query_len"] <= s["q_rows"]) & (t["query_len"] <= t["seq_len"])).all()
+            ),
+        ),
+    ),
 )
 
 SPECS: tuple[KernelSpec, ...] = (
@@ -275,38 +309,9 @@ SPECS: tuple[KernelSpec, ...] = (
         checks=(_GQA, _PARTITION),
         dtype_checks=(_kv_format_check("k_cache"),),
     ),
-    KernelSpec(
-        "kvp_prefill_attention",
-        (
-            *_ATTENTION_Q,
-            ("num_chunks", Int("num_chunks")),
-            ("token_start", Tensor(I64, ("num_chunks",), values=(_zero, lambda s: s["q_rows"]))),
-            ("query_len", Tensor(I64, ("num_chunks",), values=(_one, lambda s: s["q_rows"] + 1))),
-            ("seq_len", Tensor(I64, ("num_chunks",), values=(_one, _context))),
-            ("num_heads", Int("num_heads")),
-            ("num_kv_heads", Int("num_kv_heads")),
-            ("head_dim", Int("head_dim")),
-            ("k_cache", _cache()),
-            ("v_cache", _cache()),
-            ("block_size", Int("block_size")),
-            ("block_tables", Tensor(I64, ("num_chunks", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
-            ("max_blocks", Int("max_blocks")),
-            ("window", Int()),
-            ("scale", Float()),
-            ("kv_format", Int()),
-        ),
-        returns="int64_t",
-        checks=(_GQA, ("window >= 0", lambda s: s["window"] >= 0)),
-        dtype_checks=(_kv_format_check("k_cache"),),
-        tensor_checks=(
-            (
-                "each chunk's tokens lie in q and its queries in its context",
-                lambda t, s: bool(
-                    ((t["token_start"] + t["query_len"] <= s["q_rows"]) & (t["query_len"] <= t["seq_len"])).all()
-                ),
-            ),
-        ),
-    ),
+    KernelSpec("kvp_prefill_attention", _PREFILL_ARGS, **_PREFILL_RULES),
+    KernelSpec("kvp_prefill_attention_amx", _PREFILL_ARGS, **_PREFILL_RULES),
+    KernelSpec("kvp_amx_attention_ready", (), returns="int64_t"),
     KernelSpec(
         "kvp_decode_layers",
         (

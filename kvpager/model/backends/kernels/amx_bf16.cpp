@@ -21,14 +21,11 @@
 #include <cstdlib>
 #include <cstring>
 
-#if (defined(__x86_64__) && defined(__linux__)) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#define KVQ_AMX 1
-#include <cpuid.h>
+#include "amx.h"
+
+#if defined(KVP_AMX)
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -39,32 +36,7 @@ constexpr int64_t kTileK = 32;     // bfloat16 inputs per tile row (64 bytes)
 
 }  // namespace
 
-#if defined(KVQ_AMX)
-
-namespace {
-
-constexpr long kArchReqXcompPerm = 0x1023;
-constexpr long kXfeatureXtiledata = 18;
-
-struct TileConfig {
-  uint8_t palette, start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_usable() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv allowed
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-  uint32_t lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG + XTILEDATA enabled by the OS
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-}  // namespace
+#if defined(KVP_AMX)
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")
@@ -117,13 +89,7 @@ void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t
       }
     }  // implicit barrier: every block packed before any thread multiplies
 
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
+    const kvp_amx::TileConfig cfg = kvp_amx::full_tiles();
     _tile_loadconfig(&cfg);
     alignas(64) float c[4][kRowBlock][kRowBlock];
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -178,14 +144,14 @@ void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t
 }  // namespace
 
 #pragma GCC pop_options
-#endif  // KVQ_AMX
+#endif  // KVP_AMX
 
 extern "C" {
 
 // 1 where the AMX kernel can run in this process (asked once), else 0.
 int64_t kvq_amx_bf16_ready() {
-#if defined(KVQ_AMX)
-  static const bool ready = amx_usable();
+#if defined(KVP_AMX)
+  static const bool ready = kvp_amx::usable();
   return ready ? 1 : 0;
 #else
   return 0;
@@ -199,7 +165,7 @@ int64_t kvq_amx_bf16_linear(const float* x, int64_t M, const uint16_t* w, int64_
                             int64_t threads) {
   if (!kvq_amx_bf16_ready() || M < 1 || K < kTileK || K % kTileK != 0 || N < kOutBlock || N % kOutBlock != 0)
     return -1;
-#if defined(KVQ_AMX)
+#if defined(KVP_AMX)
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const size_t bytes = static_cast<size_t>(blocks * (K / 2) * kRowBlock) * sizeof(uint32_t);
   void* xp = std::aligned_alloc(64, (bytes + 63) / 64 * 64);

@@ -39,8 +39,9 @@ SOURCES = (
     KERNEL_DIR / "linear.cpp",
     KERNEL_DIR / "attention.cpp",
     KERNEL_DIR / "prefill.cpp",
+    KERNEL_DIR / "prefill_amx.cpp",
 )
-HEADERS = (KERNEL_DIR / "common.h",)
+HEADERS = (KERNEL_DIR / "common.h", KERNEL_DIR / "amx.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17")
 ISAS = ("native", "portable")
 ISA_ENV = "KVPAGER_KERNEL_ISA"
