@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from kvpager.engine.host_malloc import keep_freed_memory
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpager.cli.serve", "OpenAI-compatible HTTP server"),
@@ -35,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"kvpager: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    keep_freed_memory(os.environ)  # NOTE: before any thread starts (the engine loading logs what it did)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return int(module.main(argv[1:]))
 

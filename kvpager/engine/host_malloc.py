@@ -9,6 +9,14 @@ trimming (M_TRIM_THRESHOLD at its maximum), freed blocks stay in the heap and th
 them, pages already present: what tcmalloc (which vLLM's CPU build preloads) does too. The price is
 that the process keeps its peak heap instead of returning it between peaks.
 
+Every thread also allocates from the main heap (M_ARENA_MAX 1). glibc gives other threads arenas of
+their own, built of 64 MiB heaps that are unmapped as soon as they empty, whatever the trim threshold:
+the server steps the engine on its loop thread, where a prefill step's blocks of tens of MiB spilled
+into a second heap, unmapped and faulted in again every step (twice the page faults of the same steps
+on the main thread, prefill 1.2-1.3x slower; BENCHMARKS.md, "Freed host memory kept for reuse"). The
+arena limit applies to the threads that allocate for the first time after it is set, so the CLI sets
+it before starting any thread, and engine loading sets it again for library use.
+
 Left alone where the user chose: GLIBC_TUNABLES naming a `glibc.malloc` setting, or another allocator
 preloaded (LD_PRELOAD naming tcmalloc, jemalloc or mimalloc); and off glibc.
 """
@@ -24,6 +32,7 @@ logger = logging.getLogger("kvpager.engine.host_malloc")
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 TRIM_THRESHOLD_MAX = 2**31 - 1  # mallopt takes an int
 OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 
@@ -55,6 +64,10 @@ def keep_freed_memory(environ: Mapping[str, str], libc: ctypes.CDLL | None = Non
     if mallopt is None or gnu_version is None:
         return "left as is (not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX) != 1:
+    settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX), (M_ARENA_MAX, 1))
+    if any(mallopt(param, value) != 1 for param, value in settings):
         return "left as is (mallopt refused)"
-    return "freed blocks kept in the heap for reuse (glibc mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD max)"
+    return (
+        "freed blocks kept in the heap for reuse, every thread on the main heap "
+        "(glibc mallopt: M_MMAP_MAX 0, M_TRIM_THRESHOLD max, M_ARENA_MAX 1)"
+    )
