@@ -25,6 +25,7 @@ from kvpager.model.backends.kernels.build import KernelLibrary, expected_isa, lo
 from kvpager.model.backends.ops import (
     BLOCKED_KERNEL_MAX_ROWS,
     DECODE_PARTITION,
+    PREFILL_AMX_MAX_CONTEXT,
     PREFILL_KERNEL_MAX_CONTEXT,
     SMALL_BATCH_LINEAR,
     CpuKernelOps,
@@ -498,6 +499,18 @@ def test_amx_prefill_kernel_declines_other_caches_and_head_dims_without_writing(
         kv_format=KV_FORMATS[kv_dtype],
     )
     assert done == 0 and bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("over", [False, True], ids=["within", "beyond"])
+def test_amx_prefill_kernel_takes_contexts_up_to_its_own_limit(kops: SpyOps, over: bool) -> None:
+    # past the float32 kernel's limit; beyond the AMX kernel's own, SDPA (its reference is slow: 3 rows)
+    context = PREFILL_AMX_MAX_CONTEXT + 1 if over else PREFILL_KERNEL_MAX_CONTEXT + 200
+    q, cache, meta = _attention_inputs([3], [context], 4, 2, 64, 16, seed=13)
+    cache = cache.to(torch.bfloat16)
+    _assert_close(kops.attention(q, cache, meta, 0.125), REF.attention(q, cache, meta, 0.125))
+    amx = kops._prefill_attention_amx is not None
+    assert kops.calls["_prefill_attention_amx ran"] == (amx and not over)
+    assert kops.calls["_prefill_attention"] == 0
 
 
 def test_prefill_beyond_the_kernel_context_limit_runs_in_torch(kops: SpyOps) -> None:

@@ -49,6 +49,10 @@ UNBLOCK_SCRATCH_MAX_BYTES = 64 << 20
 # 9.4 vs 15.3 ms, one of 512 + 4 of 512 (9/3) 12.4 vs 18.1, Llama-3-8B heads at 500 39.2 vs 56.2;
 # even at 1,024-1,500 tokens, slower beyond (2,000: 42.4 vs 34.2; 8B heads at 1,024: 75.0 vs 66.4).
 PREFILL_KERNEL_MAX_CONTEXT = 768
+# ... and the AMX kernel (a bfloat16 cache on CPUs with AMX) up to this long. Measured, 2 threads, one
+# prompt, Llama-3.2-1B heads (32/8 x 64): 29 vs 71 ms at 1,000 tokens, 125 vs 271 at 2,000, 434 vs 699
+# at 4,000; 28/4 x 128 heads at 3,000: 317 vs 636 (scripts/compare_attention_paths.py).
+PREFILL_AMX_MAX_CONTEXT = 4096
 
 
 class CpuKernelOps(TorchOps):
@@ -110,7 +114,11 @@ class CpuKernelOps(TorchOps):
             "rope_and_cache": "kernel (float32, bfloat16 or float16 cache)",
             "decode_attention": "paged kernel",
             "prefill_attention": f"kernel for head_dim 64 or 128 up to {PREFILL_KERNEL_MAX_CONTEXT} positions"
-            + (" (AMX bfloat16 tiles over a bfloat16 cache)" if self._prefill_attention_amx else "")
+            + (
+                f" (AMX bfloat16 tiles over a bfloat16 cache, up to {PREFILL_AMX_MAX_CONTEXT})"
+                if self._prefill_attention_amx
+                else ""
+            )
             + ", torch SDPA beyond",
             "decode_layers": f"one kernel call per decode-only step up to {fused} rows over float32 weights, "
             f"up to {SMALL_BATCH_LINEAR} over packed 16-bit weights"
@@ -347,7 +355,9 @@ class CpuKernelOps(TorchOps):
         if self._prefill_meta is not meta:
             seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
             self._prefill_meta, self._prefill_arrays = meta, ()
-            if max(meta.seq_lens_list[i] for i in seqs) > PREFILL_KERNEL_MAX_CONTEXT:
+            amx = self._prefill_attention_amx is not None and kv_layer.dtype == torch.bfloat16
+            limit = PREFILL_AMX_MAX_CONTEXT if amx else PREFILL_KERNEL_MAX_CONTEXT
+            if max(meta.seq_lens_list[i] for i in seqs) > limit:
                 return False  # by design: torch's SDPA is faster on long contexts
             index = torch.tensor(seqs, dtype=torch.int64)
             self._prefill_arrays = (

@@ -30,6 +30,7 @@ import torch
 from kvpager.core.config import KERNEL_BACKENDS
 from kvpager.model.backends.cpu_ops import (
     BLOCKED_KERNEL_MAX_ROWS,
+    PREFILL_AMX_MAX_CONTEXT,
     PREFILL_KERNEL_MAX_CONTEXT,
     UNBLOCK_SCRATCH_MAX_BYTES,
     CpuKernelOps,
@@ -47,6 +48,7 @@ __all__ = [
     "FUSED_MAX_ROWS",
     "LAYER_TABLE_ADDRESSES",
     "LAYER_TABLE_WIDTH",
+    "PREFILL_AMX_MAX_CONTEXT",
     "PREFILL_KERNEL_MAX_CONTEXT",
     "SMALL_BATCH_LINEAR",
     "UNBLOCK_SCRATCH_MAX_BYTES",
