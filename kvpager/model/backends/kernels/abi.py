@@ -117,6 +117,15 @@ _ATTENTION_Q = (
     ("out_stride", Int("out_stride")),
 )
 
+# the attention kernels' heads and paged cache, in their order in each signature
+_HEADS_AND_CACHE = (
+    ("num_heads", Int("num_heads")),
+    ("num_kv_heads", Int("num_kv_heads")),
+    ("head_dim", Int("head_dim")),
+    ("k_cache", _cache()),
+    ("v_cache", _cache()),
+    ("block_size", Int("block_size")),
+)
 # kvp_prefill_attention and its AMX twin (prefill_amx.cpp) take the same arguments
 _PREFILL_ARGS = (
     *_ATTENTION_Q,
@@ -124,12 +133,7 @@ _PREFILL_ARGS = (
     ("token_start", Tensor(I64, ("num_chunks",), values=(_zero, lambda s: s["q_rows"]))),
     ("query_len", Tensor(I64, ("num_chunks",), values=(_one, lambda s: s["q_rows"] + 1))),
     ("seq_len", Tensor(I64, ("num_chunks",), values=(_one, _context))),
-    ("num_heads", Int("num_heads")),
-    ("num_kv_heads", Int("num_kv_heads")),
-    ("head_dim", Int("head_dim")),
-    ("k_cache", _cache()),
-    ("v_cache", _cache()),
-    ("block_size", Int("block_size")),
+    *_HEADS_AND_CACHE,
     ("block_tables", Tensor(I64, ("num_chunks", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
     ("max_blocks", Int("max_blocks")),
     ("window", Int()),
@@ -292,12 +296,7 @@ SPECS: tuple[KernelSpec, ...] = (
             *_ATTENTION_Q,
             ("rows", Tensor(I64, ("num_seqs",), optional=True, values=(_zero, lambda s: s["q_rows"]))),
             ("num_seqs", Int("num_seqs")),
-            ("num_heads", Int("num_heads")),
-            ("num_kv_heads", Int("num_kv_heads")),
-            ("head_dim", Int("head_dim")),
-            ("k_cache", _cache()),
-            ("v_cache", _cache()),
-            ("block_size", Int("block_size")),
+            *_HEADS_AND_CACHE,
             ("block_tables", Tensor(I64, ("num_seqs", "max_blocks"), values=(_zero, lambda s: s["num_blocks"]))),
             ("max_blocks", Int("max_blocks")),
             ("seq_lens", Tensor(I64, ("num_seqs",), values=(_one, _context))),

@@ -258,6 +258,34 @@ inline __m512 reduce16(const __m512* t) {
 }
 #endif
 
+// The prefill attention kernels' tasks: (chunk, block of up to `block` query tokens, KV head), numbered
+// chunk by chunk; task t's chunk, head, first query (within the chunk), query count and first position.
+struct PrefillTask {
+  int64_t chunk, kv_head, first_query, num_queries, first_pos;
+};
+
+class PrefillTasks {
+ public:
+  PrefillTasks(int64_t num_chunks, const int64_t* query_len, const int64_t* seq_len, int64_t num_kv_heads,
+               int64_t block)
+      : first_(num_chunks + 1, 0), query_len_(query_len), seq_len_(seq_len), heads_(num_kv_heads), block_(block) {
+    for (int64_t c = 0; c < num_chunks; ++c) first_[c + 1] = first_[c] + (query_len[c] + block - 1) / block * heads_;
+  }
+  int64_t size() const { return first_.back(); }
+  PrefillTask operator[](int64_t t) const {
+    const int64_t c = std::upper_bound(first_.begin(), first_.end(), t) - first_.begin() - 1;
+    const int64_t local = t - first_[c], i0 = local / heads_ * block_;
+    const int64_t n = std::min(block_, query_len_[c] - i0);
+    return {c, local % heads_, i0, n, seq_len_[c] - query_len_[c] + i0};
+  }
+
+ private:
+  std::vector<int64_t> first_;
+  const int64_t* query_len_;
+  const int64_t* seq_len_;
+  int64_t heads_, block_;
+};
+
 }  // namespace kvp
 
 // The C ABI: prototypes generated from kvpager/model/backends/kernels/abi.py (the one declaration,

@@ -205,29 +205,24 @@ void prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out
                        int64_t block_size, const int64_t* block_tables, int64_t max_blocks, int64_t window,
                        float scale) {
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
-  std::vector<int64_t> first(num_chunks + 1, 0);  // task ranges: (chunk, query block, kv head)
-  for (int64_t c = 0; c < num_chunks; ++c)
-    first[c + 1] = first[c] + (query_len[c] + PREFILL_QB - 1) / PREFILL_QB * num_kv_heads;
-  const int64_t tasks = first[num_chunks];
+  const kvp::PrefillTasks tasks(num_chunks, query_len, seq_len, num_kv_heads, PREFILL_QB);
   const int64_t R = PREFILL_QB * group;
   const int64_t work_floats = R * head_dim + 2 * R + head_dim * 16 + R * 16 + R;  // o, m, l, kt, p, alpha
-#pragma omp parallel if (omp_get_max_threads() > 1 && tasks > 1)
+#pragma omp parallel if (omp_get_max_threads() > 1 && tasks.size() > 1)
   {
     std::vector<float> buf(work_floats + 16);  // + room to align to 64 bytes
     float* work = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = tasks - 1; t >= 0; --t) {  // last blocks (longest contexts) first
-      const int64_t c = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
-      const int64_t local = t - first[c], qb = local / num_kv_heads, kh = local % num_kv_heads;
-      const int64_t i0 = qb * PREFILL_QB, ntok = std::min(PREFILL_QB, query_len[c] - i0);
-      const int64_t pos0 = seq_len[c] - query_len[c] + i0;
-      const int64_t* table = block_tables + c * max_blocks;
+    for (int64_t t = tasks.size() - 1; t >= 0; --t) {  // last blocks (longest contexts) first
+      const kvp::PrefillTask k = tasks[t];
+      const int64_t row0 = token_start[k.chunk] + k.first_query, kh = k.kv_head;
+      const int64_t* table = block_tables + k.chunk * max_blocks;
       if (head_dim == 64)
-        prefill_block<64>(q, q_stride, out, out_stride, token_start[c] + i0, ntok, pos0, group, kh, k_cache, v_cache,
+        prefill_block<64>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group, kh, k_cache, v_cache,
                           table, block_size, kv_stride, window, scale, work);
       else
-        prefill_block<128>(q, q_stride, out, out_stride, token_start[c] + i0, ntok, pos0, group, kh, k_cache, v_cache,
-                           table, block_size, kv_stride, window, scale, work);
+        prefill_block<128>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group, kh, k_cache,
+                           v_cache, table, block_size, kv_stride, window, scale, work);
     }
   }
 }

@@ -148,13 +148,12 @@ void amx_block(const float* __restrict q, int64_t q_stride, float* __restrict ou
     // V tiles: word (kk, dim) of tile t is keys 2kk, 2kk + 1 at dim 16 t + dim
     for (int64_t kk = 0; kk < 16; ++kk) {
       const int64_t a = w.koff[2 * kk], b = w.koff[2 * kk + 1];
+      const auto widened = [&](int64_t off, int64_t t) {  // 16 values of a key as 32-bit words (0: no key)
+        if (off < 0) return _mm512_setzero_si512();
+        return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_cache + off + t * 16)));
+      };
       for (int64_t t = 0; t < HD / 16; ++t) {
-        const __m512i va = a >= 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        reinterpret_cast<const __m256i*>(v_cache + a + t * 16)))
-                                  : _mm512_setzero_si512();
-        const __m512i vb = b >= 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        reinterpret_cast<const __m256i*>(v_cache + b + t * 16)))
-                                  : _mm512_setzero_si512();
+        const __m512i va = widened(a, t), vb = widened(b, t);
         _mm512_storeu_si512(w.vp + (t * 16 + kk) * 16, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
       }
     }
@@ -222,22 +221,17 @@ void amx_block(const float* __restrict q, int64_t q_stride, float* __restrict ou
         _tile_loadd(1, w.pa + 16 * 32, 64);
         _tile_loadd(2, w.pa + 2 * 16 * 32, 64);
         const uint32_t* vt = w.vp + half * 4 * 256;
-        _tile_loadd(3, vt, 64);
-        _tile_dpbf16ps(4, 0, 3);
-        _tile_dpbf16ps(4, 1, 3);
-        _tile_dpbf16ps(4, 2, 3);
-        _tile_loadd(3, vt + 256, 64);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(5, 1, 3);
-        _tile_dpbf16ps(5, 2, 3);
-        _tile_loadd(3, vt + 512, 64);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_dpbf16ps(6, 1, 3);
-        _tile_dpbf16ps(6, 2, 3);
-        _tile_loadd(3, vt + 768, 64);
-        _tile_dpbf16ps(7, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-        _tile_dpbf16ps(7, 2, 3);
+// accumulator tile C += the three P pieces (tiles 0-2) x the value tile at vt + OFF (loaded into tile 3)
+#define KVP_PV_TILE(C, OFF)     \
+  _tile_loadd(3, vt + OFF, 64); \
+  _tile_dpbf16ps(C, 0, 3);      \
+  _tile_dpbf16ps(C, 1, 3);      \
+  _tile_dpbf16ps(C, 2, 3)
+        KVP_PV_TILE(4, 0);
+        KVP_PV_TILE(5, 256);
+        KVP_PV_TILE(6, 512);
+        KVP_PV_TILE(7, 768);
+#undef KVP_PV_TILE
         _tile_stored(4, w.ob, 64);
         _tile_stored(5, w.ob + 256, 64);
         _tile_stored(6, w.ob + 512, 64);
@@ -255,7 +249,8 @@ void amx_block(const float* __restrict q, int64_t q_stride, float* __restrict ou
   for (int64_t r = 0; r < R; ++r) {
     float* dst = out + (row0 + r / group) * out_stride + (kh * group + r % group) * HD;
     const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
-    for (int64_t d = 0; d < HD; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(w.o + r * HD + d), inv));
+    for (int64_t d = 0; d < HD; d += 16)
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(w.o + r * HD + d), inv));
   }
 }
 
@@ -271,15 +266,12 @@ void amx_prefill(const float* q, int64_t q_stride, float* out, int64_t out_strid
                  int64_t num_kv_heads, int64_t head_dim, const uint16_t* k_cache, const uint16_t* v_cache,
                  int64_t block_size, const int64_t* block_tables, int64_t max_blocks, int64_t window, float scale) {
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
-  std::vector<int64_t> first(num_chunks + 1, 0);  // task ranges: (chunk, query block, kv head)
-  for (int64_t c = 0; c < num_chunks; ++c)
-    first[c + 1] = first[c] + (query_len[c] + kQB - 1) / kQB * num_kv_heads;
-  const int64_t tasks = first[num_chunks];
+  const kvp::PrefillTasks tasks(num_chunks, query_len, seq_len, num_kv_heads, kQB);
   const int64_t rows = (kQB * group + 15) / 16 * 16, HD = head_dim;
   const int64_t bytes = (kPieces * rows * HD * 2 + rows * HD * 4 + 2 * rows * 4 + HD * 16 * 4 * 2 + 16 * 32 * 4 +
                          kPieces * 16 * 32 * 2 + 4 * 256 * 4 + 16 * 4 + 32 * 8) +
                         11 * 64;  // + each array's alignment
-#pragma omp parallel if (omp_get_max_threads() > 1 && tasks > 1)
+#pragma omp parallel if (omp_get_max_threads() > 1 && tasks.size() > 1)
   {
     std::vector<char> buf(bytes + 64);
     char* at = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
@@ -298,17 +290,15 @@ void amx_prefill(const float* q, int64_t q_stride, float* out, int64_t out_strid
     const kvp_amx::TileConfig cfg = kvp_amx::full_tiles();
     _tile_loadconfig(&cfg);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = tasks - 1; t >= 0; --t) {  // last blocks (longest contexts) first
-      const int64_t c = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
-      const int64_t local = t - first[c], qb = local / num_kv_heads, kh = local % num_kv_heads;
-      const int64_t i0 = qb * kQB, ntok = std::min(kQB, query_len[c] - i0);
-      const int64_t pos0 = seq_len[c] - query_len[c] + i0;
-      const int64_t* table = block_tables + c * max_blocks;
+    for (int64_t t = tasks.size() - 1; t >= 0; --t) {  // last blocks (longest contexts) first
+      const kvp::PrefillTask k = tasks[t];
+      const int64_t row0 = token_start[k.chunk] + k.first_query, kh = k.kv_head;
+      const int64_t* table = block_tables + k.chunk * max_blocks;
       if (head_dim == 64)
-        amx_block<64>(q, q_stride, out, out_stride, token_start[c] + i0, ntok, pos0, group, kh, k_cache, v_cache,
+        amx_block<64>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group, kh, k_cache, v_cache,
                       table, block_size, kv_stride, window, scale, w);
       else
-        amx_block<128>(q, q_stride, out, out_stride, token_start[c] + i0, ntok, pos0, group, kh, k_cache, v_cache,
+        amx_block<128>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group, kh, k_cache, v_cache,
                        table, block_size, kv_stride, window, scale, w);
     }
     _tile_release();
