@@ -355,8 +355,7 @@ class CpuKernelOps(TorchOps):
         if self._prefill_meta is not meta:
             seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
             self._prefill_meta, self._prefill_arrays = meta, ()
-            amx = self._prefill_attention_amx is not None and kv_layer.dtype == torch.bfloat16
-            limit = PREFILL_AMX_MAX_CONTEXT if amx else PREFILL_KERNEL_MAX_CONTEXT
+            limit = PREFILL_AMX_MAX_CONTEXT if self._amx_prefill(kv_layer) is not None else PREFILL_KERNEL_MAX_CONTEXT
             if max(meta.seq_lens_list[i] for i in seqs) > limit:
                 return False  # by design: torch's SDPA is faster on long contexts
             index = torch.tensor(seqs, dtype=torch.int64)
@@ -383,10 +382,16 @@ class CpuKernelOps(TorchOps):
             kv_format=KV_FORMATS[kv_layer.dtype],
         )
         done = False
-        if self._prefill_attention_amx is not None and kv_layer.dtype == torch.bfloat16:
-            done = bool(self._prefill_attention_amx(**args))
+        amx = self._amx_prefill(kv_layer)
+        if amx is not None:
+            done = bool(amx(**args))
         if not done:
             done = bool(self._prefill_attention(**args))
         if not done:
             self.fallbacks.record("prefill_attention", "head_dim is not 64 or 128")
         return done
+
+    def _amx_prefill(self, kv_layer: torch.Tensor) -> Any:
+        """The AMX prefill kernel where chunks over this cache go to it first (a bfloat16 cache, AMX
+        here), else None."""
+        return self._prefill_attention_amx if kv_layer.dtype == torch.bfloat16 else None

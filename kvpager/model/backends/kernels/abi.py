@@ -117,6 +117,21 @@ _ATTENTION_Q = (
     ("out_stride", Int("out_stride")),
 )
 
+
+def _silu_mul_spec(name: str, dtype: tuple[torch.dtype, ...]) -> KernelSpec:
+    """SwiGLU over rows of `dtype`: out [rows, inter] = silu(gate) * up of gate_up [rows, 2 inter]."""
+    return KernelSpec(
+        name,
+        (
+            ("gate_up", Tensor(dtype, ("rows", "width"))),
+            ("out", Tensor(dtype, ("rows", "inter"), writes=True)),
+            ("rows", Int("rows")),
+            ("inter", Int("inter")),
+        ),
+        checks=(("gate_up is twice as wide as out", lambda s: s["width"] == 2 * s["inter"]),),
+    )
+
+
 # the attention kernels' heads and paged cache, in their order in each signature
 _HEADS_AND_CACHE = (
     ("num_heads", Int("num_heads")),
@@ -240,26 +255,8 @@ SPECS: tuple[KernelSpec, ...] = (
             ("eps", Float()),
         ),
     ),
-    KernelSpec(
-        "kvp_silu_mul",
-        (
-            ("gate_up", Tensor(F32, ("rows", "width"))),
-            ("out", Tensor(F32, ("rows", "inter"), writes=True)),
-            ("rows", Int("rows")),
-            ("inter", Int("inter")),
-        ),
-        checks=(("gate_up is twice as wide as out", lambda s: s["width"] == 2 * s["inter"]),),
-    ),
-    KernelSpec(
-        "kvp_silu_mul_bf16",
-        (
-            ("gate_up", Tensor(BF16, ("rows", "width"))),
-            ("out", Tensor(BF16, ("rows", "inter"), writes=True)),
-            ("rows", Int("rows")),
-            ("inter", Int("inter")),
-        ),
-        checks=(("gate_up is twice as wide as out", lambda s: s["width"] == 2 * s["inter"]),),
-    ),
+    _silu_mul_spec("kvp_silu_mul", F32),
+    _silu_mul_spec("kvp_silu_mul_bf16", BF16),
     KernelSpec(
         "kvp_rope_and_cache",
         (
