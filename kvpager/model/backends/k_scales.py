@@ -28,7 +28,7 @@ from kvpager.model.backends.quant_dot import (
     Int8DotWeight,
     check_dynamic_group,
 )
-from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4, quant_kernels_or_none
+from kvpager.model.backends.quant_kernels import FMT_INT4, FMT_ROWS4, QuantKernels, quant_kernels_or_none
 from kvpager.model.backends.quant_weights import (
     Int4Weight,
     PackedWeight,
@@ -109,6 +109,11 @@ class _FileScales:
 
     def bf16_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.float_form().bf16_matmul(x2, bias)
+
+    def tiled_bf16_matmul(
+        self, x2: torch.Tensor, bias: torch.Tensor | None, kernels: QuantKernels
+    ) -> torch.Tensor | None:
+        return self.float_form().tiled_bf16_matmul(x2, bias, kernels)
 
 
 class KScaledInt4DotWeight(_FileScales, Int4DotWeight):

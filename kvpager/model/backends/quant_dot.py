@@ -33,7 +33,13 @@ from kvpager.model.backends.quant_kernels import (
     load_quant_kernels,
     quant_kernels_or_none,
 )
-from kvpager.model.backends.quant_weights import KERNEL_MAX_ROWS, Int4Weight, Int8Weight, PackedWeight
+from kvpager.model.backends.quant_weights import (
+    AMX_DEQUANT_MAX_ROWS,
+    KERNEL_MAX_ROWS,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+)
 
 ACTIVATION_BLOCK = 32
 # Up to this many input rows the integer-dot kernel runs. Beyond, the quantized activations go through the
@@ -155,13 +161,23 @@ class _DynamicActivations(PackedWeight):
         x2 = x.reshape(-1, self.in_features)
         limit = self.dot_rows(kernels) if kernels is not None else 0
         if kernels is not None and limit is not None and x2.shape[0] > limit and self.bf16_prompts(kernels):
-            out = self.bf16_matmul(x2, bias)
+            out = self.prompt_matmul(x2, bias, kernels)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if kernels is None or (limit is not None and x2.shape[0] > limit):
             # the same quantized activations (float32) through the exact packed-weight path (L1 tile / GEMM)
             out = self.exact_matmul(fake_quantize_activations(x.float()), bias)
             return out.to(x.dtype)
         return self.dot_kernel(x2, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def prompt_matmul(self, x2: torch.Tensor, bias: torch.Tensor | None, kernels: QuantKernels) -> torch.Tensor:
+        """A batch past dot_rows in bfloat16 arithmetic: up to AMX_DEQUANT_MAX_ROWS rows in AMX tiles on
+        the weight dequantized in cache (tiled_bf16_matmul) where they run, else oneDNN's GEMM on it
+        dequantized in chunks (bf16_matmul)."""
+        if x2.shape[0] <= AMX_DEQUANT_MAX_ROWS:
+            out = self.tiled_bf16_matmul(x2, bias, kernels)
+            if out is not None:
+                return out
+        return self.bf16_matmul(x2, bias)
 
     def exact_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x through the exact packed-weight path of the stored format (quant_weights.py)."""

@@ -75,6 +75,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "kvq_dot_expand_records": ([_I, _P, _I, _P, _P, _I], None),
     "kvq_amx_bf16_ready": ([], ctypes.c_int64),
     "kvq_amx_bf16_linear": ([_P, _I, _P, _I, _I, _P, _I], ctypes.c_int64),
+    "kvq_amx_dequant_linear": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I], ctypes.c_int64),
 }
 
 
@@ -95,6 +96,8 @@ class QuantKernels:
     dot_expand_records: Any  # kvq_dot_expand_records: GGUF Q4_K / Q6_K records -> float32 scales (and offsets)
     amx_bf16_linear: Any  # kvq_amx_bf16_linear: float32 rows @ a plain bfloat16 weight in AMX tiles (-1: not taken)
     amx_bf16: bool  # kvq_amx_bf16_ready(): this CPU and OS run AMX bfloat16 tiles in this process
+    # kvq_amx_dequant_linear: float32 rows @ a packed weight dequantized 32 rows at a time into AMX tiles (-1: not taken)
+    amx_dequant_linear: Any
 
     @property
     def default_level(self) -> int:
@@ -191,6 +194,7 @@ def load_quant_kernels() -> QuantKernels:
         lib.kvq_dot_expand_records,
         lib.kvq_amx_bf16_linear,
         bool(lib.kvq_amx_bf16_ready()),
+        lib.kvq_amx_dequant_linear,
     )
     logger.info("packed-weight linear: %s", kernels.describe())
     logger.info("bfloat16 batches: %s", kernels.describe_amx())

@@ -64,6 +64,11 @@ NATIVE_BF16_AFTER_ROWS = 2
 # larger batches in oneDNN's GEMM, whose blocked kernels reuse each weight tile across more rows and
 # overtook the tiles between 384 and 512 rows (1b shapes, 2 threads)
 AMX_MAX_ROWS = 256
+AMX_TILE = 32  # the AMX kernels' weights: dimensions in whole tiles of 32
+# prompt batches of a packed weight (past the integer dot's rows) up to this many rows run in AMX tiles on the
+# weight dequantized 32 rows at a time in cache (tiled_bf16_matmul); larger ones dequantize it in chunks for
+# oneDNN's GEMM (bf16_matmul), whose round trip through memory the larger batch amortizes
+AMX_DEQUANT_MAX_ROWS = 512
 DEQUANT_CHUNK_ROWS = 512  # output rows dequantized at a time for the GEMM path (a bounded scratch)
 BF16_CHUNK_BYTES = 4 << 20  # bytes of bfloat16 weight rows dequantized at a time for bf16_matmul
 INT4_SPAN = 16  # weights per 8-byte span of the int4 layout (byte j: weight j low nibble, j + 8 high)
@@ -170,6 +175,32 @@ class PackedWeight:
         kernels = load_quant_kernels()
         chunk = max(16, min(self.out_features, BF16_CHUNK_BYTES // (2 * self.in_features)))
         out = self._chunked_gemm(x2.to(torch.bfloat16).contiguous(), kernels.dequant_bf16, chunk, kernels)
+        if bias is not None:
+            out += bias.float()
+        return out
+
+    def tiled_bf16_matmul(
+        self, x2: torch.Tensor, bias: torch.Tensor | None, kernels: QuantKernels
+    ) -> torch.Tensor | None:
+        """x2 [M, in] @ w.T (+ bias) -> float32 [M, out] in AMX tiles, each thread dequantizing the 32
+        weight rows it multiplies next into a scratch of its own (kvq_amx_dequant_linear): the weight
+        dequant_bf16 writes and x2 rounded to bfloat16, as bf16_matmul multiplies them, accumulated in
+        float32 and not rounded after; the bfloat16 weight is never written out whole. None where the
+        kernel does not take it: no AMX here, capped below AVX-512, dimensions not multiples of 32."""
+        if not kernels.amx_bf16 or self._level(kernels) < LEVEL_AVX512 or x2.device.type != "cpu":
+            return None
+        if self.in_features % AMX_TILE or self.out_features % AMX_TILE:
+            return None
+        rows = x2.shape[0]
+        xf = x2.float().contiguous()
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        w, scales, offsets = self._pointers()
+        rc = kernels.amx_dequant_linear(
+            self.kernel_fmt(), w, scales, offsets, self.out_features, self.in_features, self.group_size,
+            self._level(kernels), xf.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:  # no memory for its scratch: the caller's GEMM instead
+            return None
         if bias is not None:
             out += bias.float()
         return out

@@ -28,11 +28,27 @@
 #include <omp.h>
 #endif
 
+extern "C" void kvq_dequant_bf16(int64_t fmt, const void* w, const void* scales, const float* offsets, int64_t N,
+                                 int64_t K, int64_t group, int64_t n0, int64_t n1, uint16_t* out,
+                                 int64_t num_threads, int64_t max_level);  // quant.cpp
+
 namespace {
 
 constexpr int64_t kRowBlock = 16;  // activation rows per tile (the tile's columns)
 constexpr int64_t kOutBlock = 32;  // output rows per thread step: two weight tiles
 constexpr int64_t kTileK = 32;     // bfloat16 inputs per tile row (64 bytes)
+
+// Whether the kernels take this shape (AMX usable here, whole tiles along K and N, at least one row).
+bool amx_shape_fits(int64_t M, int64_t N, int64_t K);
+
+// Bytes of x's packed bfloat16 pairs: whole blocks of 16 rows.
+size_t packed_bytes(int64_t M, int64_t K) {
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  return static_cast<size_t>(blocks * (K / 2) * kRowBlock) * sizeof(uint32_t);
+}
+
+// 64-byte aligned memory for `bytes` (rounded up to whole lines), or null.
+void* aligned_bytes(size_t bytes) { return std::aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 }  // namespace
 
@@ -71,8 +87,11 @@ void store_block(const float (*c)[kRowBlock][kRowBlock], float* out, int64_t N, 
   }
 }
 
-void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, float* out, uint32_t* xp,
-                int threads) {
+// `panel(s, thread)` gives output step s's 32 weight rows (bfloat16, row-major, K apart): the plain
+// weight's own rows, or rows dequantized into that thread's scratch.
+template <class Panel>
+void amx_linear(const float* x, int64_t M, int64_t N, int64_t K, float* out, uint32_t* xp, int threads,
+                const Panel& panel) {
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t block_words = (K / 2) * kRowBlock;
   const int64_t steps = N / kOutBlock;
@@ -95,7 +114,7 @@ void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t s0 = steps * id / nt, s1 = steps * (id + 1) / nt;
     for (int64_t s = s0; s < s1; ++s) {
-      const uint16_t* w0 = w + s * kOutBlock * K;
+      const uint16_t* w0 = panel(s, id);
       const uint16_t* w1 = w0 + kRowBlock * K;
       for (int64_t b = 0; b < blocks; b += 2) {
         const uint32_t* x0 = xp + b * block_words;
@@ -146,6 +165,15 @@ void amx_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t
 #pragma GCC pop_options
 #endif  // KVP_AMX
 
+extern "C" int64_t kvq_amx_bf16_ready();
+
+namespace {
+bool amx_shape_fits(int64_t M, int64_t N, int64_t K) {
+  return kvq_amx_bf16_ready() != 0 && M >= 1 && K >= kTileK && K % kTileK == 0 && N >= kOutBlock &&
+         N % kOutBlock == 0;
+}
+}  // namespace
+
 extern "C" {
 
 // 1 where the AMX kernel can run in this process (asked once), else 0.
@@ -163,18 +191,51 @@ int64_t kvq_amx_bf16_ready() {
 // not a multiple of 32, M < 1, or no memory for the packed activations.
 int64_t kvq_amx_bf16_linear(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, float* out,
                             int64_t threads) {
-  if (!kvq_amx_bf16_ready() || M < 1 || K < kTileK || K % kTileK != 0 || N < kOutBlock || N % kOutBlock != 0)
-    return -1;
+  if (!amx_shape_fits(M, N, K)) return -1;
 #if defined(KVP_AMX)
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const size_t bytes = static_cast<size_t>(blocks * (K / 2) * kRowBlock) * sizeof(uint32_t);
-  void* xp = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  void* xp = aligned_bytes(packed_bytes(M, K));
   if (xp == nullptr) return -1;
-  amx_linear(x, M, w, N, K, out, static_cast<uint32_t*>(xp), threads > 0 ? static_cast<int>(threads) : 1);
+  amx_linear(x, M, N, K, out, static_cast<uint32_t*>(xp), threads > 0 ? static_cast<int>(threads) : 1,
+             [w, K](int64_t s, int) { return w + s * kOutBlock * K; });
   std::free(xp);
   return 0;
 #else
   (void)x, (void)w, (void)out, (void)threads;
+  return -1;
+#endif
+}
+
+// out[M, N] = x @ W^T as kvq_amx_bf16_linear computes it, W a packed weight of quant.cpp (fmt, w, scales,
+// offsets, group, max_level as kvq_dequant_bf16 takes them): each thread dequantizes the 32 weight rows of
+// its next output step into a scratch of its own (kvq_dequant_bf16's values: rounded to bfloat16) and
+// multiplies them there, so the bfloat16 weight is never written out whole (the per-call round trip
+// through memory of a dequantize-then-GEMM). The same result, bit for bit, as kvq_amx_bf16_linear on
+// kvq_dequant_bf16's rows. Returns 0, or -1 without writing where it cannot take it (as kvq_amx_bf16_linear).
+int64_t kvq_amx_dequant_linear(int64_t fmt, const void* w, const void* scales, const float* offsets, int64_t N,
+                               int64_t K, int64_t group, int64_t max_level, const float* x, int64_t M, float* out,
+                               int64_t threads) {
+  if (!amx_shape_fits(M, N, K)) return -1;
+#if defined(KVP_AMX)
+  const int nt = threads > 0 ? static_cast<int>(threads) : 1;
+  const int64_t panel_words = kOutBlock * K;  // one step's weight rows, bfloat16
+  void* xp = aligned_bytes(packed_bytes(M, K));
+  void* scratch = aligned_bytes(static_cast<size_t>(nt * panel_words) * sizeof(uint16_t));
+  if (xp == nullptr || scratch == nullptr) {
+    std::free(xp);
+    std::free(scratch);
+    return -1;
+  }
+  uint16_t* rows = static_cast<uint16_t*>(scratch);
+  amx_linear(x, M, N, K, out, static_cast<uint32_t*>(xp), nt, [=](int64_t s, int id) {
+    uint16_t* panel = rows + id * panel_words;
+    kvq_dequant_bf16(fmt, w, scales, offsets, N, K, group, s * kOutBlock, (s + 1) * kOutBlock, panel, 1, max_level);
+    return static_cast<const uint16_t*>(panel);
+  });
+  std::free(xp);
+  std::free(scratch);
+  return 0;
+#else
+  (void)fmt, (void)w, (void)scales, (void)offsets, (void)group, (void)max_level, (void)x, (void)out, (void)threads;
   return -1;
 #endif
 }
