@@ -236,3 +236,28 @@ def test_a_result_names_the_cpus_family_model_and_kernel_flags(tmp_path: Path) -
     info = {"cpu": "AMD EPYC", **ident, "cores": 2, "torch": "2.13.0", "threads": 2, "python": "3.11"}
     assert machine_line(info).startswith("AMD EPYC (family/model 23/49; avx2 fma f16c), 2 cores")
     assert set(machine_info()) >= {"cpu", "cores", "torch", "threads"}
+
+
+def test_roofline_counts_the_bytes_the_engine_holds_in_its_dtype_and_format(capsys, tiny_model):
+    def row(*fmt: str) -> dict[str, Any]:
+        r = run_bench(
+            capsys, tiny_model, "roofline", "--batch-sizes", "1", "--context-len", "8", "--decode-steps", "1",
+            "--bandwidth-mib", "8", "--gemm-sizes", "64", "--reps", "1", "--no-paired-probes", *fmt,
+        )  # fmt: skip
+        return r["decode"][0]
+
+    f32, bf16, int8 = row("--dtype", "float32"), row("--dtype", "bfloat16"), row("--quantization", "int8")
+    h, layers, vocab, inter = (
+        TINY["hidden_size"],
+        TINY["num_hidden_layers"],
+        TINY["vocab_size"],
+        TINY["intermediate_size"],
+    )
+    kv = h // TINY["num_attention_heads"] * TINY["num_key_value_heads"]
+    linears = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + vocab * h  # the tied lm_head: the table, once
+    norms = (2 * layers + 1) * h
+    assert f32["weight_bytes"] == 4 * (linears + norms)
+    assert bf16["weight_bytes"] == 2 * linears + 4 * norms  # bfloat16 weights; norms stay float32 (precision rule)
+    assert bf16["kv_read_bytes"] == f32["kv_read_bytes"] / 2  # the KV cache in the model's dtype
+    assert int8["weight_bytes"] < 0.7 * bf16["weight_bytes"]  # int8 codes (+ scales) in place of 16-bit weights
+    assert f32["memory_bound_tok_s"] < bf16["memory_bound_tok_s"]

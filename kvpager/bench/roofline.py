@@ -3,8 +3,10 @@
 Measured with the torch and thread count the engine uses: memory bandwidth (read: the better of a
 sum over one large fp32 tensor and a dot product over two; copy: STREAM counting, 2 words per element) and fp32 matmul GFLOP/s (square GEMMs).
 For the throughput benchmark's decode steps (batch B at context ~`--context-len`), per step:
-- bytes moved = weights read once (every linear layer + lm_head + norms) + KV read (B x context x
-  bytes per token) + KV written (B x bytes per token);
+- bytes moved = weights read once, as the engine holds them (its --dtype, --quantization or GGUF
+  format: every linear layer + lm_head + norms, i.e. every weight but an embedding table that is not
+  also the lm_head) + KV read (B x context x bytes per token, in the KV cache's dtype) + KV written
+  (B x bytes per token);
 - FLOPs = 2 x matmul params per token x B + attention (4 x layers x heads x head_dim x context x B).
 The memory bound is bytes / read bandwidth; the compute bound FLOPs / matmul throughput. Real
 decode steps run through the engine: B requests are prefilled, then `--decode-steps` steps timed one by one
@@ -32,6 +34,7 @@ from kvpager.bench import report
 from kvpager.core.config import DTYPE_BYTES, EngineConfig
 from kvpager.core.kv_cache_manager import cdiv
 from kvpager.core.sampling_params import SamplingParams
+from kvpager.engine.args import add_weight_format_args
 from kvpager.model.spec import ModelSpec, load_model_spec
 
 TARGETS = {"batch1_memory_fraction": 0.70, "largest_batch_compute_fraction": 0.50}
@@ -88,14 +91,28 @@ def measure_gemm(m: int, reps: int, precision: str = "highest") -> float:
     return 2 * m**3 / best_seconds(lambda: torch.mm(x, y, out=z), reps) / 1e9
 
 
-def step_cost(spec: ModelSpec, batch: int, context: float, dtype_bytes: int = 4) -> dict[str, float]:
-    """Bytes moved and FLOPs of one decode step of `batch` sequences at mean context `context`."""
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of the weights one decode step reads, in the dtype and format the model holds them: every
+    weight (model_weight_bytes) but an embedding table that is not also the lm_head (a step looks up a
+    few of its rows; a tied lm_head reads it whole)."""
+    from kvpager.model.backends.quant_weights import PackedWeight
+    from kvpager.model.loader import model_weight_bytes
+
+    table, head = model.embed_tokens.weight, model.lm_head.weight
+    head_tensors = head.tensors() if isinstance(head, PackedWeight) else (head,)
+    total = int(model_weight_bytes(model))
+    if all(t.data_ptr() != table.data_ptr() for t in head_tensors):
+        total -= table.numel() * table.element_size()
+    return total
+
+
+def step_cost(spec: ModelSpec, batch: int, context: float, weight_bytes: int, kv_dtype_bytes: int) -> dict[str, float]:
+    """Bytes moved and FLOPs of one decode step of `batch` sequences at mean context `context`, the
+    weights read being `weight_bytes` (decode_weight_bytes) and the KV cache `kv_dtype_bytes` wide."""
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     linear_per_layer = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * i
     matmul_params = spec.num_layers * linear_per_layer + v * h  # + lm_head (tied or not, it is read)
-    norms = (2 * spec.num_layers + 1) * h
-    kv_per_token = spec.kv_shape(dtype_bytes).bytes_per_token
-    weight_bytes = (matmul_params + norms) * dtype_bytes
+    kv_per_token = spec.kv_shape(kv_dtype_bytes).bytes_per_token
     kv_read = batch * context * kv_per_token
     kv_write = batch * kv_per_token
     attn_flops = 4 * spec.num_layers * spec.num_heads * spec.head_dim * context * batch
@@ -187,8 +204,16 @@ def time_decode_steps(
     return result
 
 
-def analyse(spec: ModelSpec, machine: dict[str, float], batch: int, context: float, times: StepTimes) -> dict[str, Any]:
-    cost = step_cost(spec, batch, context)
+def analyse(
+    spec: ModelSpec,
+    machine: dict[str, float],
+    batch: int,
+    context: float,
+    times: StepTimes,
+    bytes_held: tuple[int, int],
+) -> dict[str, Any]:
+    """One batch's row; `bytes_held`: (decode_weight_bytes, the KV cache's bytes per element)."""
+    cost = step_cost(spec, batch, context, *bytes_held)
     seconds = times.median
     t_mem = cost["bytes"] / (machine["read_gbs"] * 1e9)
     t_comp = cost["flops"] / (machine["gemm_gflops"] * 1e9)
@@ -238,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     report.add_precision_arg(p)
+    add_weight_format_args(p)
     p.add_argument(
         "--no-paired-probes",
         action="store_true",
@@ -272,8 +298,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         num_threads=args.num_threads,
         enable_prefix_caching=False,
         fp32_matmul_precision=args.fp32_matmul_precision,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
+        gguf_int8_activations=args.gguf_int8_activations,
     )
     engine = Engine(config)
+    bytes_held = (decode_weight_bytes(engine.loaded.model), engine.loaded.kv_dtype.itemsize)
     gemm_sizes = [int(m) for m in args.gemm_sizes.split(",")]
     probes = (
         None if args.no_paired_probes else make_probes(args.bandwidth_mib, max(gemm_sizes), args.fp32_matmul_precision)
@@ -283,7 +315,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         report.log(args, f"batch {batch}: prefill {args.context_len} x {batch}, then {args.decode_steps} steps ...")
         times = time_decode_steps(engine, batch, args.context_len, args.decode_steps, args.seed + batch, probes)
         context = args.context_len + 1 + args.decode_steps / 2
-        rows.append(analyse(spec, machine, batch, context, times))
+        rows.append(analyse(spec, machine, batch, context, times, bytes_held))
     return build_result(args, argv, choice, machine, rows)
 
 
