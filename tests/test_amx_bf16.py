@@ -14,25 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from amx_checks import amx_or_skip, kernels_or_skip
 
 from kvpager.model.backends import quant_weights
-from kvpager.model.backends.kernels.build import KernelBuildError
-from kvpager.model.backends.quant_kernels import LEVEL_AVX2, QuantKernels, load_quant_kernels
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2
 from kvpager.model.backends.quant_weights import AMX_MAX_ROWS, NATIVE_BF16_AFTER_ROWS, Bf16Weight
-
-
-def _kernels() -> QuantKernels:
-    try:
-        return load_quant_kernels()
-    except KernelBuildError as exc:  # pragma: no cover - every CI machine has g++
-        pytest.skip(f"no C++ compiler for the packed-weight kernels: {exc}")
-
-
-def _amx_or_skip() -> QuantKernels:
-    kernels = _kernels()
-    if not kernels.amx_bf16:
-        pytest.skip("this CPU (or its OS) has no AMX-BF16 tiles; oneDNN's path is tested in test_quant_linear")
-    return kernels
 
 
 def _no_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +40,7 @@ def _assert_bf16_inputs_float32_sums(out: torch.Tensor, x: torch.Tensor, w: torc
 
 @pytest.mark.parametrize("shape", [(32, 32), (96, 256), (64, 8192)], ids=["32x32", "96x256", "64x8192"])
 def test_amx_tiles_sum_bfloat16_inputs_in_float32(shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    _amx_or_skip()
+    amx_or_skip()
     _no_onednn(monkeypatch)
     gen = torch.Generator().manual_seed(shape[0] + shape[1])
     n, k = shape
@@ -70,7 +56,7 @@ def test_amx_tiles_sum_bfloat16_inputs_in_float32(shape: tuple[int, int], monkey
 
 
 def test_amx_bias_is_added_in_float32_after_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
-    _amx_or_skip()
+    amx_or_skip()
     _no_onednn(monkeypatch)
     w = torch.randn(64, 96).bfloat16()
     bias, x = torch.randn(64), torch.randn(5, 96)
@@ -79,7 +65,7 @@ def test_amx_bias_is_added_in_float32_after_the_product(monkeypatch: pytest.Monk
 
 
 def test_amx_rounds_activations_as_torch_does_ties_nan_and_infinities_included(monkeypatch: pytest.MonkeyPatch) -> None:
-    _amx_or_skip()
+    amx_or_skip()
     _no_onednn(monkeypatch)
     # an identity weight returns each activation rounded to bfloat16 (one product, the rest exact zeros)
     k = 64
@@ -99,7 +85,7 @@ def test_amx_rounds_activations_as_torch_does_ties_nan_and_infinities_included(m
 
 
 def test_amx_rows_do_not_depend_on_the_rest_of_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    _amx_or_skip()
+    amx_or_skip()
     _no_onednn(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     weight = Bf16Weight(torch.randn(96, 512, generator=gen).bfloat16())
@@ -110,7 +96,7 @@ def test_amx_rows_do_not_depend_on_the_rest_of_the_batch(monkeypatch: pytest.Mon
 
 
 def test_the_kernel_refuses_what_its_tiles_cannot_take_without_writing() -> None:
-    kernels = _kernels()
+    kernels = kernels_or_skip()
     x = torch.randn(4, 64)
     w = torch.randn(64, 64).bfloat16()
     for m, n, k in ((4, 48, 64), (4, 64, 48), (0, 64, 64), (4, 16, 64)):
@@ -131,7 +117,7 @@ def _fake_amx(monkeypatch: pytest.MonkeyPatch, result: int) -> list[tuple[int, i
         calls.append((m, n, k))
         return result
 
-    kernels = dataclasses.replace(_kernels(), amx_bf16=True, amx_bf16_linear=amx)
+    kernels = dataclasses.replace(kernels_or_skip(), amx_bf16=True, amx_bf16_linear=amx)
     monkeypatch.setattr(quant_weights, "quant_kernels_or_none", lambda: kernels)
     monkeypatch.setattr(quant_weights, "load_quant_kernels", lambda: kernels)
     monkeypatch.setattr(quant_weights, "_native_bf16", lambda: True)
@@ -168,7 +154,7 @@ def test_a_refused_batch_is_computed_by_onednn_with_the_same_result(monkeypatch:
 
 
 def test_the_start_up_line_says_whether_the_tiles_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = _kernels()
+    kernels = kernels_or_skip()
     monkeypatch.delenv("KVPAGER_KERNEL_ISA", raising=False)
     absent = dataclasses.replace(kernels, amx_bf16=False).describe_amx()
     assert absent.startswith("no AMX bfloat16 tiles")
@@ -182,7 +168,7 @@ def test_the_start_up_line_says_whether_the_tiles_run(monkeypatch: pytest.Monkey
 def test_amx_tiles_and_onednn_interleave_in_the_same_threads() -> None:
     # both configure the tiles per call; a prompt in oneDNN between decode steps in the kernel (a server's
     # steps) must leave each correct
-    _amx_or_skip()
+    amx_or_skip()
     gen = torch.Generator().manual_seed(11)
     w = (torch.randn(256, 512, generator=gen) * 0.05).bfloat16()
     weight = Bf16Weight(w)

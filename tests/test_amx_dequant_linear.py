@@ -18,28 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from amx_checks import amx_or_skip, kernels_or_skip
 from kquants import encode_q4_k, encode_q6_k
 
 from kvpager.gguf.blocks import unpack_blocks
-from kvpager.model.backends.kernels.build import KernelBuildError
 from kvpager.model.backends.quant_dot import Int4DotWeight, Int8DotWeight, _DynamicActivations
-from kvpager.model.backends.quant_kernels import LEVEL_AVX2, QuantKernels, load_quant_kernels
+from kvpager.model.backends.quant_kernels import LEVEL_AVX2, QuantKernels
 from kvpager.model.backends.quant_weights import AMX_DEQUANT_MAX_ROWS, PackedWeight
 from kvpager.model.gguf_packed import packed_from_blocks
-
-
-def _kernels() -> QuantKernels:
-    try:
-        return load_quant_kernels()
-    except KernelBuildError as exc:  # pragma: no cover - every CI machine has g++
-        pytest.skip(f"no C++ compiler for the packed-weight kernels: {exc}")
-
-
-def _amx_or_skip() -> QuantKernels:
-    kernels = _kernels()
-    if not kernels.amx_bf16:
-        pytest.skip("this CPU (or its OS) has no AMX-BF16 tiles; prompts take oneDNN's GEMM (test_bf16_prompt_path)")
-    return kernels
 
 
 def _gguf(kind: str, rows: int, cols: int, seed: int) -> PackedWeight:
@@ -75,7 +61,7 @@ def _whole_weight_tiles(weight: PackedWeight, x: torch.Tensor, kernels: QuantKer
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 33, 300, AMX_DEQUANT_MAX_ROWS])
 def test_tiles_on_rows_dequantized_in_cache_are_the_whole_weights_tiles(fmt: str, rows: int) -> None:
-    kernels = _amx_or_skip()
+    kernels = amx_or_skip()
     weight = FORMATS[fmt](96, 512, rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows + 1)) * 3
     out = weight.tiled_bf16_matmul(x, None, kernels)
@@ -90,7 +76,7 @@ def test_tiles_on_rows_dequantized_in_cache_are_the_whole_weights_tiles(fmt: str
 
 
 def test_the_bias_is_added_in_float32_after_the_product() -> None:
-    kernels = _amx_or_skip()
+    kernels = amx_or_skip()
     weight = FORMATS["Q4_K"](64, 256, 3)
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(64, generator=torch.Generator().manual_seed(5))
@@ -101,7 +87,7 @@ def test_the_bias_is_added_in_float32_after_the_product() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(80, 256), (64, 200)], ids=["N not whole tiles", "K not whole tiles"])
 def test_shapes_outside_whole_tiles_are_declined_without_running_the_kernel(n: int, k: int) -> None:
-    kernels = _kernels()
+    kernels = kernels_or_skip()
     ran: list[int] = []
     spy = dataclasses.replace(kernels, amx_bf16=True, amx_dequant_linear=lambda *a: ran.append(1) or 0)
     weight = Int8DotWeight.from_float(_dense(n, k, 7), k)
@@ -110,7 +96,7 @@ def test_shapes_outside_whole_tiles_are_declined_without_running_the_kernel(n: i
 
 
 def test_without_amx_or_below_avx512_the_tiles_are_not_asked() -> None:
-    kernels = _kernels()
+    kernels = kernels_or_skip()
     ran: list[int] = []
     weight = Int4DotWeight.from_float(_dense(64, 256, 8), 32)
     no_amx = dataclasses.replace(kernels, amx_bf16=False, amx_dequant_linear=lambda *a: ran.append(1) or 0)
@@ -141,7 +127,7 @@ def _path_spy(monkeypatch: pytest.MonkeyPatch, tiled_result: bool) -> dict[str, 
 
 
 def test_prompts_up_to_the_limit_take_the_tiles_and_larger_ones_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    _kernels()
+    kernels_or_skip()
     calls = _path_spy(monkeypatch, tiled_result=True)
     weight = Int4DotWeight.from_float(_dense(64, 256, 9), 32)
     assert torch.equal(
@@ -155,7 +141,7 @@ def test_prompts_up_to_the_limit_take_the_tiles_and_larger_ones_onednn(monkeypat
 
 
 def test_a_declined_prompt_falls_back_to_onednns_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    _kernels()
+    kernels_or_skip()
     calls = _path_spy(monkeypatch, tiled_result=False)
     weight = Int4DotWeight.from_float(_dense(64, 256, 10), 32)
     assert torch.equal(weight.matmul(torch.randn(40, 256), None), torch.ones(40, 64))

@@ -247,12 +247,7 @@ def test_roofline_counts_the_bytes_the_engine_holds_in_its_dtype_and_format(caps
         return r["decode"][0]
 
     f32, bf16, int8 = row("--dtype", "float32"), row("--dtype", "bfloat16"), row("--quantization", "int8")
-    h, layers, vocab, inter = (
-        TINY["hidden_size"],
-        TINY["num_hidden_layers"],
-        TINY["vocab_size"],
-        TINY["intermediate_size"],
-    )
+    h, layers, vocab, inter = (TINY[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"))
     kv = h // TINY["num_attention_heads"] * TINY["num_key_value_heads"]
     linears = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + vocab * h  # the tied lm_head: the table, once
     norms = (2 * layers + 1) * h
