@@ -161,6 +161,7 @@ def test_the_start_up_line_says_whether_the_tiles_run(monkeypatch: pytest.Monkey
     present = dataclasses.replace(kernels, amx_bf16=True)
     if kernels.default_level == quant_weights.LEVEL_AVX512:
         assert present.describe_amx().startswith("AMX bfloat16 tiles reading the plain weight")
+        assert present.describe_amx().endswith("quantized prompts on weight rows dequantized in cache")
     monkeypatch.setenv("KVPAGER_KERNEL_ISA", "portable")
     assert "KVPAGER_KERNEL_ISA=portable" in present.describe_amx()
 

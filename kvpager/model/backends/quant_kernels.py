@@ -116,7 +116,10 @@ class QuantKernels:
             return "no AMX bfloat16 tiles (this CPU or OS lacks AMX-TILE / AMX-BF16)"
         if self.default_level < LEVEL_AVX512:
             return f"AMX bfloat16 tiles off ({ISA_ENV}=portable)"
-        return "AMX bfloat16 tiles reading the plain weight (bfloat16 activations, float32 accumulation)"
+        return (
+            "AMX bfloat16 tiles reading the plain weight (bfloat16 activations, float32 accumulation); quantized "
+            "prompts on weight rows dequantized in cache"
+        )
 
     def describe_dot(self) -> str:
         """One line for the start-up log: the integer-dot path (w8a8_int8 / w4a8_int8) and why."""
