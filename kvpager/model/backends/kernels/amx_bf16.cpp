@@ -10,6 +10,11 @@
 // up to 32 rows reads the weight once, at the memory's speed, where oneDNN's GEMM on the plain weight
 // reorders it first. Larger batches (prefill) stay on oneDNN (quant_weights.AMX_MAX_ROWS).
 //
+// kvq_amx_dequant_linear runs the same tiles on a packed weight of quant.cpp (int8 / int4 codes with their
+// scales): each thread dequantizes the 32 rows of its next output block into a scratch of its own just
+// before multiplying them (quant_weights.AMX_DEQUANT_MAX_ROWS), so a prompt never writes the bfloat16
+// weight out whole as dequantize-then-GEMM does.
+//
 // A row's result does not depend on the other rows (each is its own column of the tile product, summed
 // over K in the same order). AMX computes with denormal bfloat16 inputs read as zero.
 //
