@@ -305,7 +305,7 @@ class Bf16Weight(HalfWeight):
         a CPU weight whose dimensions are multiples of 32 (whole tiles)."""
         if rows > AMX_MAX_ROWS or self.weight.device.type != "cpu":
             return None
-        if self.in_features % 32 or self.out_features % 32:
+        if self.in_features % AMX_TILE or self.out_features % AMX_TILE:
             return None
         kernels = quant_kernels_or_none()
         if kernels is None or not kernels.amx_bf16 or self._level(kernels) < LEVEL_AVX512:

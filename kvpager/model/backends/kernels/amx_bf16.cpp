@@ -36,6 +36,7 @@
 extern "C" void kvq_dequant_bf16(int64_t fmt, const void* w, const void* scales, const float* offsets, int64_t N,
                                  int64_t K, int64_t group, int64_t n0, int64_t n1, uint16_t* out,
                                  int64_t num_threads, int64_t max_level);  // quant.cpp
+extern "C" int64_t kvq_amx_bf16_ready();  // below
 
 namespace {
 
@@ -44,7 +45,10 @@ constexpr int64_t kOutBlock = 32;  // output rows per thread step: two weight ti
 constexpr int64_t kTileK = 32;     // bfloat16 inputs per tile row (64 bytes)
 
 // Whether the kernels take this shape (AMX usable here, whole tiles along K and N, at least one row).
-bool amx_shape_fits(int64_t M, int64_t N, int64_t K);
+bool amx_shape_fits(int64_t M, int64_t N, int64_t K) {
+  return kvq_amx_bf16_ready() != 0 && M >= 1 && K >= kTileK && K % kTileK == 0 && N >= kOutBlock &&
+         N % kOutBlock == 0;
+}
 
 // Bytes of x's packed bfloat16 pairs: whole blocks of 16 rows.
 size_t packed_bytes(int64_t M, int64_t K) {
@@ -169,15 +173,6 @@ void amx_linear(const float* x, int64_t M, int64_t N, int64_t K, float* out, uin
 
 #pragma GCC pop_options
 #endif  // KVP_AMX
-
-extern "C" int64_t kvq_amx_bf16_ready();
-
-namespace {
-bool amx_shape_fits(int64_t M, int64_t N, int64_t K) {
-  return kvq_amx_bf16_ready() != 0 && M >= 1 && K >= kTileK && K % kTileK == 0 && N >= kOutBlock &&
-         N % kOutBlock == 0;
-}
-}  // namespace
 
 extern "C" {
 

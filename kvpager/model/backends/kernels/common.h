@@ -286,6 +286,25 @@ class PrefillTasks {
   int64_t heads_, block_;
 };
 
+// Runs block(std::integral_constant<int, HD>{}, task, row of its first query in q and out, its chunk's
+// block table) for every task as the worksharing loop of the enclosing OpenMP parallel region: one task
+// at a time per thread, the last tasks (the longest contexts) first; HD is the head size, 64 or 128 (the
+// kernels' two instantiations).
+template <class Block>
+void for_each_prefill_task(const PrefillTasks& tasks, const int64_t* token_start, const int64_t* block_tables,
+                           int64_t max_blocks, int64_t head_dim, const Block& block) {
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t t = tasks.size() - 1; t >= 0; --t) {
+    const PrefillTask k = tasks[t];
+    const int64_t row0 = token_start[k.chunk] + k.first_query;
+    const int64_t* table = block_tables + k.chunk * max_blocks;
+    if (head_dim == 64)
+      block(std::integral_constant<int, 64>{}, k, row0, table);
+    else
+      block(std::integral_constant<int, 128>{}, k, row0, table);
+  }
+}
+
 }  // namespace kvp
 
 // The C ABI: prototypes generated from kvpager/model/backends/kernels/abi.py (the one declaration,

@@ -212,18 +212,13 @@ void prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out
   {
     std::vector<float> buf(work_floats + 16);  // + room to align to 64 bytes
     float* work = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = tasks.size() - 1; t >= 0; --t) {  // last blocks (longest contexts) first
-      const kvp::PrefillTask k = tasks[t];
-      const int64_t row0 = token_start[k.chunk] + k.first_query, kh = k.kv_head;
-      const int64_t* table = block_tables + k.chunk * max_blocks;
-      if (head_dim == 64)
-        prefill_block<64>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group, kh, k_cache, v_cache,
-                          table, block_size, kv_stride, window, scale, work);
-      else
-        prefill_block<128>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group, kh, k_cache,
-                           v_cache, table, block_size, kv_stride, window, scale, work);
-    }
+    kvp::for_each_prefill_task(
+        tasks, token_start, block_tables, max_blocks, head_dim,
+        [&](auto hd, const kvp::PrefillTask& k, int64_t row0, const int64_t* table) {
+          prefill_block<decltype(hd)::value>(q, q_stride, out, out_stride, row0, k.num_queries, k.first_pos, group,
+                                             k.kv_head, k_cache, v_cache, table, block_size, kv_stride, window, scale,
+                                             work);
+        });
   }
 }
 
