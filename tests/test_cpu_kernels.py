@@ -461,6 +461,25 @@ def test_prefill_chunks_after_cached_context_match_torch(
     _compare_attention(kops, q, cache.to(kv_dtype), meta)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_matches_torch_when_later_keys_outscore_earlier_ones(kops: SpyOps, threads: int, head_dim: int) -> None:
+    # every key scores 0.4 more than the one before it (a component along the first dimension), so each
+    # 32-key chunk of the AMX kernel beats the row's running maximum by ~13: weights taken against the
+    # old maximum would overflow past e^8, and the output gathered so far must be rescaled each chunk
+    query_lens, seq_lens = [60, 40, 1], [130, 40, 70]
+    q, cache, meta = _attention_inputs(query_lens, seq_lens, 8, 2, head_dim, 16, seed=21)
+    scale = head_dim**-0.5
+    q[..., 0] = 1.0 / scale
+    for seq, table in enumerate(_tables(meta)):
+        for pos in range(seq_lens[seq]):
+            cache[0, table[pos // 16], pos % 16, :, 0] = 0.4 * pos
+    cache = cache.to(torch.bfloat16)
+    # against float64, within 1e-4: the float32 kernel's products here reach ~600 (an ulp of 6e-5)
+    expected = REF.attention(q.double(), cache.double(), meta, scale).float()
+    _assert_close(kops.attention(q, cache, meta, scale), expected, rel=1e-4)
+    assert _prefill_ran(kops) == 1
+
+
 def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
