@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +30,9 @@ from test_model_equivalence import PagedHarness, _prompts, assert_fused_steps_eq
 from kvpager.core.config import EngineConfig, resolve_dtype
 from kvpager.engine.engine import Engine
 from kvpager.model import load_model
+from kvpager.model.backends import quant_weights
 from kvpager.model.backends.bf16_linear import native_bf16_matmul_available
-from kvpager.model.backends.quant_weights import Bf16Weight, F16Weight
+from kvpager.model.backends.quant_weights import AMX_MAX_ROWS, NATIVE_BF16_AFTER_ROWS, Bf16Weight, F16Weight
 
 BF16_STEP = 2.0**-7
 FP16_STEP = 2.0**-10
@@ -229,3 +231,61 @@ def test_16bit_fused_decode_step_equals_the_per_op_path_and_is_taken(
     # NATIVE_BF16_AFTER_ROWS rows to oneDNN's bf16 GEMM (CPUs with AVX512-BF16 / AMX)
     three_fused = not (dtype == torch.bfloat16 and native_bf16_matmul_available())
     assert taken == [False, True, True, True, three_fused]
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [("llama", torch.bfloat16), ("qwen2_bias_tied", torch.bfloat16), ("qwen3_qk_norm", torch.bfloat16)],
+)
+def test_bf16_prompt_step_hands_bfloat16_between_gemms_with_the_per_op_values(
+    bf16_checkpoints: dict[str, Path], case: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt step whose projections all run oneDNN's bf16 GEMM skips the exact float32 round trips
+    between them (Bf16PromptStack): the same logits and K/V as the layers one by one, bit for bit. The
+    CPU's native-bf16 check is forced on so the oneDNN path runs on every CPU (torch emulates it where
+    the instructions are missing; both runs call the same GEMM)."""
+    monkeypatch.setattr(quant_weights, "_native_bf16", lambda: True)
+    path = bf16_checkpoints[case]
+    model = load_model(path, dtype=dtype, device="cpu")
+    if model.ops.name != "cpu" or not isinstance(model.layers[0].mlp.down_proj.weight, Bf16Weight):
+        pytest.skip("no C++ compiler here: no kernels, bf16 weights run in torch")
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(vocab, [100, 120, AMX_MAX_ROWS - 150], seed=7)  # AMX_MAX_ROWS + 70 rows
+    steps = [[(str(i), p) for i, p in enumerate(prompts)], [("0", [5]), ("1", [6])]]
+    taken: list[bool] = []
+    stack_run = model.ops.prompt_layers
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = stack_run(*args, **kwargs)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(model.ops, "prompt_layers", spy)
+    handed, per_op = (PagedHarness(model, block_size=16, kv_dtype=dtype) for _ in range(2))
+    got = [handed.step(batch) for batch in steps]
+    monkeypatch.setattr(model.ops, "prompt_layers", lambda *args, **kwargs: None)
+    ref = [per_op.step(batch) for batch in steps]
+    assert taken == [True]  # the prompt step (the decode step runs in the fused decode stack)
+    for step_got, step_ref in zip(got, ref, strict=True):
+        for a, b in zip(step_got, step_ref, strict=True):
+            assert torch.equal(a, b), f"bf16 hand-offs vs per-op: {(a - b).abs().max().item():.3e}"
+    assert torch.equal(handed.kv_cache, per_op.kv_cache)
+
+
+def test_bf16_prompt_stack_declines_steps_the_amx_kernel_or_other_weights_take(
+    bf16_checkpoints: dict[str, Path], fp16_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(quant_weights, "_native_bf16", lambda: True)
+    bf16 = load_model(bf16_checkpoints["llama"], dtype=torch.bfloat16, device="cpu")
+    fp16 = load_model(fp16_checkpoints["llama"], dtype=torch.float16, device="cpu")
+    if bf16.ops.name != "cpu":
+        pytest.skip("no C++ compiler here: no kernels, no bf16 prompt stack")
+    stack, layers = bf16.ops._bf16_prompt, list(bf16.layers)
+    assert stack._fits(layers[0], AMX_MAX_ROWS + 1)
+    amx = layers[0].mlp.down_proj.weight._amx_kernels(AMX_MAX_ROWS) is not None
+    assert stack._fits(layers[0], AMX_MAX_ROWS) == (not amx)  # the tile kernel's rows where it runs
+    assert not stack._fits(layers[0], NATIVE_BF16_AFTER_ROWS)  # the packed-weight kernel's rows
+    assert not stack._fits(fp16.layers[0], AMX_MAX_ROWS + 1)  # float16 weights: widened, not oneDNN's
+    o_proj = layers[0].self_attn.o_proj
+    monkeypatch.setattr(o_proj, "bias", torch.nn.Parameter(torch.zeros(o_proj.weight.out_features)))
+    assert not stack._fits(layers[0], AMX_MAX_ROWS + 1)  # a bias the stack does not add

@@ -49,6 +49,7 @@ KERNELS = (
     "_add_rms_norm",
     "_silu_mul",
     "_silu_mul_bf16",
+    "_add_rms_norm_bf16",
     "_rope_and_cache",
     "_paged_decode",
     "_prefill_attention",
@@ -257,6 +258,22 @@ def test_silu_mul_bf16_is_the_float32_kernel_rounded_to_bfloat16(
     expected = kops.silu_mul(gate_up.float()).bfloat16()  # torch's rounding of the float32 kernel's results
     # the same values; a NaN is written as the canonical 0x7FC0 (torch keeps its sign and payload)
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 40), (70, 1030)], ids=["one", "threaded"])
+def test_add_rms_norm_bf16_is_the_float32_kernel_on_widened_rows_rounded(
+    kops: SpyOps, threads: int, rows: int, dim: int
+) -> None:
+    # x as a bfloat16 GEMM hands it over, the residual stream float32: bit for bit the float32 kernel on
+    # x widened (exact), its normed output rounded by torch; the residual updated in place the same way
+    x = (_randn(rows, dim, seed=12) * 3).bfloat16()
+    residual, w = _randn(rows, dim, seed=13), _randn(dim, seed=14)
+    out = torch.empty(rows, dim, dtype=torch.bfloat16)
+    res = residual.clone()
+    kops._add_rms_norm_bf16(residual=res, x=x, w=w, out=out, eps=1e-5)
+    expected, res_expected = kops.add_rms_norm(x.float(), residual.clone(), w, 1e-5)
+    assert torch.equal(res, res_expected)
+    assert torch.equal(out, expected.bfloat16())
 
 
 def _bf16_mlp(seed: int, bias: bool = False) -> tuple[Bf16Weight, torch.Tensor | None, Bf16Weight]:

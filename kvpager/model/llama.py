@@ -176,6 +176,8 @@ class CausalLM(nn.Module):
         fused = None  # NOTE: the one-kernel decode has no all-reduce between layers
         if self.parallel is None:
             fused = self.ops.decode_layers(layers, self.spec, x, cos, sin, kv_cache, attn_metadata)
+            if fused is None:
+                fused = self.ops.prompt_layers(layers, x, cos, sin, kv_cache, attn_metadata)
         if fused is not None:
             x, residual = fused
         else:

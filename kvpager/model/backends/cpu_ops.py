@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvpager.model.attention import AttentionMetadata, attend_decodes, attend_prefills
 from kvpager.model.backends.bf16_linear import PackedBf16Linear, native_bf16_matmul_available
+from kvpager.model.backends.bf16_prompt import Bf16PromptStack
 from kvpager.model.backends.fallbacks import FallbackCounter
 from kvpager.model.backends.fused_stack import FUSED_MAX_ROWS, FusedLayerStack
 from kvpager.model.backends.kernel_checks import (
@@ -74,6 +75,7 @@ class CpuKernelOps(TorchOps):
         self._unblock_scratch = torch.empty(0, dtype=torch.float32)
         self._rms_norm = kernels.fn("kvp_rms_norm")
         self._add_rms_norm = kernels.fn("kvp_add_rms_norm")
+        self._add_rms_norm_bf16 = kernels.fn("kvp_add_rms_norm_bf16")
         self._silu_mul = kernels.fn("kvp_silu_mul")
         self._silu_mul_bf16 = kernels.fn("kvp_silu_mul_bf16")
         self._rope_and_cache = kernels.fn("kvp_rope_and_cache")
@@ -86,6 +88,7 @@ class CpuKernelOps(TorchOps):
         )
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         self._fused = FusedLayerStack(kernels, self.fallbacks, self._bf16_linear is not None)
+        self._bf16_prompt = Bf16PromptStack(self._add_rms_norm_bf16, self._silu_mul_bf16)
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
         # identifies the step; holding it keeps its id from being reused).
         self._prefill_meta: AttentionMetadata | None = None
@@ -158,6 +161,17 @@ class CpuKernelOps(TorchOps):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._fused.run(layers, spec, x, cos, sin, kv_cache, meta)
+
+    def prompt_layers(
+        self,
+        layers: Sequence[Any],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._bf16_prompt.run(self, layers, x, cos, sin, kv_cache, meta)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(weight, torch.Tensor):  # a packed weight (quant_weights.py): its own kernels

@@ -46,6 +46,19 @@ class TorchOps:
         "not supported here, run the layers one by one" (always, for torch)."""
         return None
 
+    def prompt_layers(
+        self,
+        layers: Sequence[Any],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run every (unsharded) decoder layer of a step at once, as decode_layers, for the steps a
+        backend has its own path for; None: run the layers one by one (always, for torch)."""
+        return None
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] @ weight [out, in].T (+ bias). A packed weight (quant_weights.py) runs its own matmul."""
         if not isinstance(weight, torch.Tensor):

@@ -255,6 +255,18 @@ SPECS: tuple[KernelSpec, ...] = (
             ("eps", Float()),
         ),
     ),
+    KernelSpec(
+        "kvp_add_rms_norm_bf16",
+        (
+            ("residual", Tensor(F32, ("rows", "dim"), writes=True)),
+            ("x", Tensor(BF16, ("rows", "dim"))),
+            ("w", Tensor(F32, ("dim",))),
+            ("out", Tensor(BF16, ("rows", "dim"), writes=True)),
+            ("rows", Int("rows")),
+            ("dim", Int("dim")),
+            ("eps", Float()),
+        ),
+    ),
     _silu_mul_spec("kvp_silu_mul", F32),
     _silu_mul_spec("kvp_silu_mul_bf16", BF16),
     KernelSpec(

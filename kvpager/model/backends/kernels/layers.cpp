@@ -220,6 +220,27 @@ void kvp_add_rms_norm(float* residual, const float* x, const float* w, float* ou
   }
 }
 
+// kvp_add_rms_norm with x and out in bfloat16: x (a bfloat16 GEMM's output) widened exactly, the same
+// float32 arithmetic, out rounded to bfloat16 as torch rounds (kv_store): bit for bit kvp_add_rms_norm on
+// x widened, then out.to(bfloat16). Between two bfloat16 GEMMs of a prompt step: only the residual
+// stream stays in float32.
+void kvp_add_rms_norm_bf16(float* residual, const bf16_t* x, const float* w, bf16_t* out, int64_t rows, int64_t dim,
+                           float eps) {
+#pragma omp parallel if (worth_threads(rows * dim))
+  {
+    std::vector<float> normed(dim);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      float* __restrict res = residual + r * dim;
+      const bf16_t* __restrict xr = x + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) res[i] += kv_load(xr[i]);
+      rms_norm_row(res, w, normed.data(), dim, eps);
+      kv_store_row(out + r * dim, normed.data(), dim);
+    }
+  }
+}
+
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up [rows, 2 * inter], out [rows, inter].
 void kvp_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
 #pragma omp parallel for if (worth_threads(rows * inter))
