@@ -50,6 +50,7 @@ KERNELS = (
     "_silu_mul",
     "_silu_mul_bf16",
     "_add_rms_norm_bf16",
+    "_rope_and_cache_bf16",
     "_rope_and_cache",
     "_paged_decode",
     "_prefill_attention",
@@ -349,6 +350,43 @@ def test_rope_and_cache_matches_torch_q_and_cache(
     # V is stored as is; K is rotated (so it differs from the raw input)
     v_in = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     assert torch.equal(flat_got[1, slots], v_in)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_rope_and_cache_bf16_is_the_float32_kernel_on_the_widened_rows(
+    kops: SpyOps, threads: int, qk_norm: bool, kv_dtype: torch.dtype
+) -> None:
+    # a bfloat16 qkv as the bf16 GEMM hands it over, rows wider than q + k + v (a strided view), left
+    # untouched: q and the cache bit for bit what the float32 kernel writes from the widened rows
+    num_heads, num_kv_heads, head_dim, num_tokens, num_blocks, block_size = 6, 2, 64, 40, 13, 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (_randn(num_tokens, width + 32, seed=20) * 2).bfloat16()[:, :width]
+    angles = _randn(num_tokens, 1, head_dim // 2, seed=21) * 3
+    cos, sin = angles.cos(), angles.sin()
+    cache = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=22).to(kv_dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(23))[:num_tokens]
+    norms = (1 + 0.1 * _randn(head_dim, seed=24), 1 + 0.1 * _randn(head_dim, seed=25)) if qk_norm else (None, None)
+    cache_ref, cache_got, qkv_in = cache.clone(), cache.clone(), qkv.clone()
+    q_ref = kops.rope_and_cache(qkv.float(), cos, sin, cache_ref, slots, num_heads, num_kv_heads, *norms, 1e-6)
+    q_got = torch.empty(num_tokens, num_heads * head_dim)
+    kops._rope_and_cache_bf16(
+        qkv=qkv,
+        num_heads=num_heads,
+        cos=cos.view(num_tokens, -1),
+        sin=sin.view(num_tokens, -1),
+        q_norm=norms[0],
+        k_norm=norms[1],
+        eps=1e-6,
+        k_cache=cache_got[0],
+        v_cache=cache_got[1],
+        slots=slots,
+        kv_format=KV_FORMATS[kv_dtype],
+        q_out=q_got,
+    )
+    assert torch.equal(q_got.view(num_tokens, num_heads, head_dim), q_ref)
+    assert torch.equal(cache_got, cache_ref)
+    assert torch.equal(qkv, qkv_in)
 
 
 # --- decode attention -----------------------------------------------------------------------------

@@ -79,6 +79,7 @@ class CpuKernelOps(TorchOps):
         self._silu_mul = kernels.fn("kvp_silu_mul")
         self._silu_mul_bf16 = kernels.fn("kvp_silu_mul_bf16")
         self._rope_and_cache = kernels.fn("kvp_rope_and_cache")
+        self._rope_and_cache_bf16 = kernels.fn("kvp_rope_and_cache_bf16")
         self._paged_decode = kernels.fn("kvp_paged_decode")
         self._set_num_threads = kernels.fn("kvp_set_num_threads")
         self._prefill_attention = kernels.fn("kvp_prefill_attention")
@@ -88,7 +89,7 @@ class CpuKernelOps(TorchOps):
         )
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         self._fused = FusedLayerStack(kernels, self.fallbacks, self._bf16_linear is not None)
-        self._bf16_prompt = Bf16PromptStack(self._add_rms_norm_bf16, self._silu_mul_bf16)
+        self._bf16_prompt = Bf16PromptStack(self._add_rms_norm_bf16, self._silu_mul_bf16, self._rope_and_cache_bf16)
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
         # identifies the step; holding it keeps its id from being reused).
         self._prefill_meta: AttentionMetadata | None = None

@@ -300,6 +300,41 @@ SPECS: tuple[KernelSpec, ...] = (
         dtype_checks=(_kv_format_check("k_cache"),),
     ),
     KernelSpec(
+        "kvp_rope_and_cache_bf16",
+        (
+            ("qkv", Tensor(BF16, ("num_tokens", "width"), row_stride="row_stride")),
+            ("row_stride", Int("row_stride")),
+            ("num_tokens", Int("num_tokens")),
+            ("num_heads", Int()),
+            ("num_kv_heads", Int("num_kv_heads")),
+            ("head_dim", Int("head_dim")),
+            ("cos", Tensor(F32, ("num_tokens", "half"))),
+            ("sin", Tensor(F32, ("num_tokens", "half"))),
+            ("q_norm", Tensor(F32, ("head_dim",), optional=True)),
+            ("k_norm", Tensor(F32, ("head_dim",), optional=True)),
+            ("eps", Float()),
+            ("k_cache", _cache(writes=True)),
+            ("v_cache", _cache(writes=True)),
+            ("slots", Tensor(I64, ("num_tokens",), values=(_zero, _slots))),
+            ("kv_format", Int()),
+            ("q_out", Tensor(F32, ("num_tokens", "q_size"), writes=True)),
+        ),
+        checks=(
+            _HALF,
+            (
+                "qkv rows hold num_heads q, then num_kv_heads k and v heads",
+                lambda s: (
+                    s["num_heads"] >= 0 and s["width"] >= (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
+                ),
+            ),
+            (
+                "q_out holds the num_heads q heads of each token",
+                lambda s: s["q_size"] == s["num_heads"] * s["head_dim"],
+            ),
+        ),
+        dtype_checks=(_kv_format_check("k_cache"),),
+    ),
+    KernelSpec(
         "kvp_paged_decode",
         (
             *_ATTENTION_Q,
