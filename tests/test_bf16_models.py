@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint, make_mistral_checkpoint, make_qwen2_checkpoint, make_qwen3_checkpoint
-from test_model_equivalence import PagedHarness, _prompts, assert_fused_steps_equal_per_op
+from test_model_equivalence import PagedHarness, _prompts, _spy_fused_calls, assert_fused_steps_equal_per_op
 
 from kvpager.core.config import EngineConfig, resolve_dtype
 from kvpager.engine.engine import Engine
@@ -252,15 +251,7 @@ def test_bf16_prompt_step_hands_bfloat16_between_gemms_with_the_per_op_values(
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = _prompts(vocab, [100, 120, AMX_MAX_ROWS - 150], seed=7)  # AMX_MAX_ROWS + 70 rows
     steps = [[(str(i), p) for i, p in enumerate(prompts)], [("0", [5]), ("1", [6])]]
-    taken: list[bool] = []
-    stack_run = model.ops.prompt_layers
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        result = stack_run(*args, **kwargs)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(model.ops, "prompt_layers", spy)
+    taken = _spy_fused_calls(model, monkeypatch, hook="prompt_layers")
     handed, per_op = (PagedHarness(model, block_size=16, kv_dtype=dtype) for _ in range(2))
     got = [handed.step(batch) for batch in steps]
     monkeypatch.setattr(model.ops, "prompt_layers", lambda *args, **kwargs: None)

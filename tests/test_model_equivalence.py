@@ -222,17 +222,18 @@ def assert_fused_steps_equal_per_op(
     return taken
 
 
-def _spy_fused_calls(model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record, per forward, whether `model.ops.decode_layers` ran the fused layer stack (not None)."""
+def _spy_fused_calls(model: CausalLM, monkeypatch: pytest.MonkeyPatch, hook: str = "decode_layers") -> list[bool]:
+    """Record, per call, whether `model.ops.<hook>` (decode_layers: the fused layer stack) ran the layers
+    (returned something, not None)."""
     calls: list[bool] = []
-    original = model.ops.decode_layers
+    original = getattr(model.ops, hook)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(model.ops, "decode_layers", spy)
+    monkeypatch.setattr(model.ops, hook, spy)
     return calls
 
 

@@ -132,6 +132,47 @@ def _silu_mul_spec(name: str, dtype: tuple[torch.dtype, ...]) -> KernelSpec:
     )
 
 
+def _rope_spec(name: str, qkv: Tensor, q_out: Tensor | None = None) -> KernelSpec:
+    """kvp_rope_and_cache (in place on a float32 qkv) or its bfloat16-qkv form, which writes q to q_out."""
+    checks: tuple[tuple[str, Callable[[Sym], bool]], ...] = (
+        _HALF,
+        (
+            "qkv rows hold num_heads q, then num_kv_heads k and v heads",
+            lambda s: s["num_heads"] >= 0 and s["width"] >= (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"],
+        ),
+    )
+    if q_out is not None:
+        checks += (
+            (
+                "q_out holds the num_heads q heads of each token",
+                lambda s: s["q_size"] == s["num_heads"] * s["head_dim"],
+            ),
+        )
+    return KernelSpec(
+        name,
+        (
+            ("qkv", qkv),
+            ("row_stride", Int("row_stride")),
+            ("num_tokens", Int("num_tokens")),
+            ("num_heads", Int()),
+            ("num_kv_heads", Int("num_kv_heads")),
+            ("head_dim", Int("head_dim")),
+            ("cos", Tensor(F32, ("num_tokens", "half"))),
+            ("sin", Tensor(F32, ("num_tokens", "half"))),
+            ("q_norm", Tensor(F32, ("head_dim",), optional=True)),
+            ("k_norm", Tensor(F32, ("head_dim",), optional=True)),
+            ("eps", Float()),
+            ("k_cache", _cache(writes=True)),
+            ("v_cache", _cache(writes=True)),
+            ("slots", Tensor(I64, ("num_tokens",), values=(_zero, _slots))),
+            ("kv_format", Int()),
+        )
+        + ((("q_out", q_out),) if q_out is not None else ()),
+        checks=checks,
+        dtype_checks=(_kv_format_check("k_cache"),),
+    )
+
+
 # the attention kernels' heads and paged cache, in their order in each signature
 _HEADS_AND_CACHE = (
     ("num_heads", Int("num_heads")),
@@ -269,70 +310,11 @@ SPECS: tuple[KernelSpec, ...] = (
     ),
     _silu_mul_spec("kvp_silu_mul", F32),
     _silu_mul_spec("kvp_silu_mul_bf16", BF16),
-    KernelSpec(
-        "kvp_rope_and_cache",
-        (
-            ("qkv", Tensor(F32, ("num_tokens", "width"), writes=True, row_stride="row_stride")),
-            ("row_stride", Int("row_stride")),
-            ("num_tokens", Int("num_tokens")),
-            ("num_heads", Int()),
-            ("num_kv_heads", Int("num_kv_heads")),
-            ("head_dim", Int("head_dim")),
-            ("cos", Tensor(F32, ("num_tokens", "half"))),
-            ("sin", Tensor(F32, ("num_tokens", "half"))),
-            ("q_norm", Tensor(F32, ("head_dim",), optional=True)),
-            ("k_norm", Tensor(F32, ("head_dim",), optional=True)),
-            ("eps", Float()),
-            ("k_cache", _cache(writes=True)),
-            ("v_cache", _cache(writes=True)),
-            ("slots", Tensor(I64, ("num_tokens",), values=(_zero, _slots))),
-            ("kv_format", Int()),
-        ),
-        checks=(
-            _HALF,
-            (
-                "qkv rows hold num_heads q, then num_kv_heads k and v heads",
-                lambda s: (
-                    s["num_heads"] >= 0 and s["width"] >= (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
-                ),
-            ),
-        ),
-        dtype_checks=(_kv_format_check("k_cache"),),
-    ),
-    KernelSpec(
+    _rope_spec("kvp_rope_and_cache", Tensor(F32, ("num_tokens", "width"), writes=True, row_stride="row_stride")),
+    _rope_spec(
         "kvp_rope_and_cache_bf16",
-        (
-            ("qkv", Tensor(BF16, ("num_tokens", "width"), row_stride="row_stride")),
-            ("row_stride", Int("row_stride")),
-            ("num_tokens", Int("num_tokens")),
-            ("num_heads", Int()),
-            ("num_kv_heads", Int("num_kv_heads")),
-            ("head_dim", Int("head_dim")),
-            ("cos", Tensor(F32, ("num_tokens", "half"))),
-            ("sin", Tensor(F32, ("num_tokens", "half"))),
-            ("q_norm", Tensor(F32, ("head_dim",), optional=True)),
-            ("k_norm", Tensor(F32, ("head_dim",), optional=True)),
-            ("eps", Float()),
-            ("k_cache", _cache(writes=True)),
-            ("v_cache", _cache(writes=True)),
-            ("slots", Tensor(I64, ("num_tokens",), values=(_zero, _slots))),
-            ("kv_format", Int()),
-            ("q_out", Tensor(F32, ("num_tokens", "q_size"), writes=True)),
-        ),
-        checks=(
-            _HALF,
-            (
-                "qkv rows hold num_heads q, then num_kv_heads k and v heads",
-                lambda s: (
-                    s["num_heads"] >= 0 and s["width"] >= (s["num_heads"] + 2 * s["num_kv_heads"]) * s["head_dim"]
-                ),
-            ),
-            (
-                "q_out holds the num_heads q heads of each token",
-                lambda s: s["q_size"] == s["num_heads"] * s["head_dim"],
-            ),
-        ),
-        dtype_checks=(_kv_format_check("k_cache"),),
+        Tensor(BF16, ("num_tokens", "width"), row_stride="row_stride"),
+        q_out=Tensor(F32, ("num_tokens", "q_size"), writes=True),
     ),
     KernelSpec(
         "kvp_paged_decode",
