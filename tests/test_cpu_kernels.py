@@ -389,6 +389,26 @@ def test_rope_and_cache_bf16_is_the_float32_kernel_on_the_widened_rows(
     assert torch.equal(qkv, qkv_in)
 
 
+@pytest.mark.parametrize("strided_cos", [False, True], ids=["kernel", "widened"])
+def test_rope_and_cache_takes_a_bfloat16_qkv_as_the_widened_one(kops: SpyOps, strided_cos: bool) -> None:
+    # the op reads a bfloat16 qkv with the bfloat16 kernel; where that kernel does not apply (here a
+    # strided cos/sin) it widens the rows and takes the float32 route: the same q and cache either way
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 64, 9
+    qkv = (_randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=30) * 2).bfloat16()
+    angles = _randn(num_tokens, 1, head_dim // 2, seed=31)
+    cos, sin = angles.cos(), angles.sin()
+    if strided_cos:
+        cos, sin = torch.stack([cos, cos], -1)[..., 0], torch.stack([sin, sin], -1)[..., 0]
+    cache = _randn(2, 5, 4, num_kv_heads, head_dim, seed=32).bfloat16()
+    slots = torch.randperm(20, generator=torch.Generator().manual_seed(33))[:num_tokens]
+    cache_ref, cache_got = cache.clone(), cache.clone()
+    q_ref = kops.rope_and_cache(qkv.float(), cos, sin, cache_ref, slots, num_heads, num_kv_heads, None, None, 1e-6)
+    q_got = kops.rope_and_cache(qkv, cos, sin, cache_got, slots, num_heads, num_kv_heads, None, None, 1e-6)
+    assert kops.calls["_rope_and_cache_bf16"] == (not strided_cos)
+    assert q_got.dtype == torch.float32 and torch.equal(q_got, q_ref)
+    assert torch.equal(cache_got, cache_ref)
+
+
 # --- decode attention -----------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ into the residual add, the normed activations on their way into qkv_proj and gat
 is exact (a bfloat16 value widens exactly, and the GEMM rounds its input to bfloat16 anyway), so
 `Bf16PromptStack` skips them: `kvp_add_rms_norm_bf16` adds the bfloat16 output into the float32 residual
 stream and writes the normed row in bfloat16, and the MLP's output stays bfloat16 into the next layer.
+RoPE takes the bfloat16 qkv product (CpuKernelOps.rope_and_cache), the MLP is CpuKernelOps.bf16_mlp.
 The same kernels in the same order otherwise: the values are the per-op path's, bit for bit (tested).
 """
 
@@ -18,23 +19,15 @@ from typing import Any
 import torch
 
 from kvpager.model.attention import AttentionMetadata
-from kvpager.model.backends.kernel_checks import kv_unfit, unfit
-from kvpager.model.backends.kernels.abi import KV_FORMATS
+from kvpager.model.backends.kernel_checks import unfit
 from kvpager.model.backends.quant_weights import Bf16Weight
 
 
 class Bf16PromptStack:
     """Every decoder layer of one step in bfloat16 hand-offs, or None where they do not apply."""
 
-    def __init__(
-        self,
-        add_rms_norm_bf16: Callable[..., Any],
-        silu_mul_bf16: Callable[..., Any],
-        rope_and_cache_bf16: Callable[..., Any],
-    ) -> None:
+    def __init__(self, add_rms_norm_bf16: Callable[..., Any]) -> None:
         self._add_rms_norm_bf16 = add_rms_norm_bf16
-        self._silu_mul_bf16 = silu_mul_bf16
-        self._rope_and_cache_bf16 = rope_and_cache_bf16
 
     def run(
         self,
@@ -54,18 +47,6 @@ class Bf16PromptStack:
             return None
         if not all(self._fits(layer, rows) for layer in layers):
             return None
-        # RoPE reads the bfloat16 qkv product itself where its kernel takes these tensors (else: widened)
-        rope_kernel = (
-            unfit(cos=cos, sin=sin) is None
-            and kv_unfit(kv_cache[0]) is None
-            and meta.slot_mapping.dtype == torch.int64
-            and all(
-                unfit(q_norm=norm.weight) is None
-                for layer in layers
-                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
-                if norm is not None
-            )
-        )
         residual = x
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps).to(torch.bfloat16)
@@ -74,50 +55,19 @@ class Bf16PromptStack:
             attn, mlp = layer.self_attn, layer.mlp
             if i > 0:
                 h = self._add_norm(down, residual, layer.input_layernorm)
-            qkv = attn.qkv_proj.weight.bf16_product(h)
+            qkv = attn.qkv_proj.weight.bf16_product(h)  # RoPE reads it in bfloat16 (CpuKernelOps)
+            if attn.qkv_proj.bias is not None:  # as Bf16Weight.matmul: added to the widened product
+                qkv = qkv.float() + attn.qkv_proj.bias.float()
             q_norm = attn.q_norm.weight if attn.q_norm is not None else None
             k_norm = attn.k_norm.weight if attn.k_norm is not None else None
             eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-            if rope_kernel and attn.qkv_proj.bias is None:
-                q = torch.empty((rows, attn.q_size), dtype=torch.float32)
-                self._rope_and_cache_bf16(
-                    qkv=qkv,
-                    num_heads=attn.num_heads,
-                    cos=cos.view(rows, -1),  # [T, 1, hd / 2] or [T, hd / 2]: the kernel reads T rows
-                    sin=sin.view(rows, -1),
-                    q_norm=q_norm,
-                    k_norm=k_norm,
-                    eps=eps,
-                    k_cache=kv_cache[i][0],
-                    v_cache=kv_cache[i][1],
-                    slots=meta.slot_mapping,
-                    kv_format=KV_FORMATS[kv_cache.dtype],
-                    q_out=q,
-                )
-                q = q.view(rows, attn.num_heads, attn.head_dim)
-            else:
-                qkv = qkv.float()
-                if attn.qkv_proj.bias is not None:  # as Bf16Weight.matmul: added to the widened product
-                    qkv = qkv + attn.qkv_proj.bias.float()
-                q = ops.rope_and_cache(
-                    qkv,
-                    cos,
-                    sin,
-                    kv_cache[i],
-                    meta.slot_mapping,
-                    attn.num_heads,
-                    attn.num_kv_heads,
-                    q_norm,
-                    k_norm,
-                    eps,
-                )
+            q = ops.rope_and_cache(
+                qkv, cos, sin, kv_cache[i], meta.slot_mapping, attn.num_heads, attn.num_kv_heads, q_norm, k_norm, eps
+            )
             out = ops.attention(q, kv_cache[i], meta, attn.scale)
             o = attn.o_proj.weight.bf16_product(out.reshape(rows, attn.q_size))
             h = self._add_norm(o, residual, layer.post_attention_layernorm)
-            gate_up = mlp.gate_up_proj.weight.bf16_product(h)
-            act = torch.empty((rows, gate_up.shape[1] // 2), dtype=torch.bfloat16)
-            self._silu_mul_bf16(gate_up=gate_up, out=act)
-            down = mlp.down_proj.weight.bf16_product(act)
+            down = ops.bf16_mlp(h, mlp.gate_up_proj.weight, mlp.down_proj.weight)
         return down.float(), residual
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: Any) -> torch.Tensor:

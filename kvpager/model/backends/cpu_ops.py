@@ -89,7 +89,7 @@ class CpuKernelOps(TorchOps):
         )
         self._bf16_linear = PackedBf16Linear() if native_bf16_matmul_available() else None
         self._fused = FusedLayerStack(kernels, self.fallbacks, self._bf16_linear is not None)
-        self._bf16_prompt = Bf16PromptStack(self._add_rms_norm_bf16, self._silu_mul_bf16, self._rope_and_cache_bf16)
+        self._bf16_prompt = Bf16PromptStack(self._add_rms_norm_bf16)
         # The prefill chunks' arrays for the prefill kernel, built once per step (the metadata object
         # identifies the step; holding it keeps its id from being reused).
         self._prefill_meta: AttentionMetadata | None = None
@@ -280,11 +280,15 @@ class CpuKernelOps(TorchOps):
             and gate_up_weight.onednn_takes(x.shape[0])
             and down_weight.onednn_takes(x.shape[0])
         ):
-            gate_up = gate_up_weight.bf16_product(x)
-            act = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.bfloat16)
-            self._silu_mul_bf16(gate_up=gate_up, out=act)
-            return down_weight.bf16_product(act).float()
+            return self.bf16_mlp(x, gate_up_weight, down_weight).float()
         return super().mlp(x, gate_up_weight, gate_up_bias, down_weight, down_bias)
+
+    def bf16_mlp(self, x: torch.Tensor, gate_up_weight: Bf16Weight, down_weight: Bf16Weight) -> torch.Tensor:
+        """SwiGLU through oneDNN's bf16 GEMMs, bfloat16 from the gate/up product to the result (no bias)."""
+        gate_up = gate_up_weight.bf16_product(x)
+        act = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.bfloat16)
+        self._silu_mul_bf16(gate_up=gate_up, out=act)
+        return down_weight.bf16_product(act)
 
     def rope_and_cache(
         self,
@@ -299,19 +303,26 @@ class CpuKernelOps(TorchOps):
         k_norm: torch.Tensor | None,
         eps: float,
     ) -> torch.Tensor:
-        reason = unfit(qkv=qkv, cos=cos, sin=sin, q_norm=q_norm, k_norm=k_norm) or kv_unfit(kv_layer)
+        # A bfloat16 qkv (a bf16 GEMM's output: Bf16PromptStack) goes to the bfloat16 kernel, which reads it
+        # as it is and writes q to a float32 tensor of its own; where that kernel does not apply, widened.
+        bf16 = qkv.dtype == torch.bfloat16 and qkv.is_cpu and qkv.dim() == 2 and qkv.stride(1) == 1
+        reason = unfit(qkv=None if bf16 else qkv, cos=cos, sin=sin, q_norm=q_norm, k_norm=k_norm) or kv_unfit(kv_layer)
         if reason is None and slot_mapping.dtype != torch.int64:
             reason = "slot mapping not int64"
+        if qkv.dtype == torch.bfloat16 and not (bf16 and reason is None):
+            qkv, bf16 = qkv.float(), False
+            reason = unfit(qkv=qkv) or reason
         if reason is not None:
             self.fallbacks.record("rope_and_cache", reason)
             return super().rope_and_cache(
                 qkv, cos, sin, kv_layer, slot_mapping, num_heads, num_kv_heads, q_norm, k_norm, eps
             )
-        self._rope_and_cache(
+        num_tokens, head_dim = qkv.shape[0], kv_layer.shape[-1]
+        args = dict(
             qkv=qkv,
             num_heads=num_heads,
-            cos=cos.view(qkv.shape[0], -1),  # [T, 1, hd / 2] or [T, hd / 2]: the kernel reads T rows
-            sin=sin.view(qkv.shape[0], -1),
+            cos=cos.view(num_tokens, -1),  # [T, 1, hd / 2] or [T, hd / 2]: the kernel reads T rows
+            sin=sin.view(num_tokens, -1),
             q_norm=q_norm,
             k_norm=k_norm,
             eps=eps,
@@ -320,7 +331,11 @@ class CpuKernelOps(TorchOps):
             slots=slot_mapping,
             kv_format=KV_FORMATS[kv_layer.dtype],
         )
-        num_tokens, head_dim = qkv.shape[0], kv_layer.shape[-1]
+        if bf16:
+            q = torch.empty((num_tokens, num_heads * head_dim), dtype=torch.float32)
+            self._rope_and_cache_bf16(**args, q_out=q)
+            return q.view(num_tokens, num_heads, head_dim)
+        self._rope_and_cache(**args)
         return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -121,6 +121,25 @@ inline void silu_mul_span(const T* __restrict g, const T* __restrict u, float* _
   }
 }
 
+// One token of kvp_rope_and_cache on its float32 qkv row, in place: q/k norms, RoPE, K and V stored.
+void rope_token(float* row, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const float* c, const float* s,
+                const float* q_norm, const float* k_norm, float eps, void* k_cache, void* v_cache, int64_t slot,
+                int64_t kv_format) {
+  const int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
+  for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+    float* x = row + h * head_dim;
+    const float* w = h < num_heads ? q_norm : k_norm;
+    if (w != nullptr) rms_norm_inplace(x, w, head_dim, eps);
+    rope_head(x, c, s, half);
+  }
+  const float* k = row + num_heads * head_dim;
+  kvp::with_kv(kv_format, k_cache, [&](auto typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    kvp::kv_store_row(static_cast<T*>(k_cache) + slot * kv_size, k, kv_size);
+    kvp::kv_store_row(static_cast<T*>(v_cache) + slot * kv_size, k + kv_size, kv_size);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -270,29 +289,6 @@ void kvp_silu_mul_bf16(const bf16_t* gate_up, bf16_t* out, int64_t rows, int64_t
 // In place on qkv [num_tokens, row_stride]: optional per-head RMSNorm of q and k (Qwen3; weights of
 // head_dim, null when absent), RoPE of every q and k head, then K and V of token t stored at cache
 // slot slots[t] (slot = block * block_size + offset; the caches are viewed as [slots, kv_heads, hd]).
-namespace {
-
-// One token of kvp_rope_and_cache on its float32 qkv row, in place: q/k norms, RoPE, K and V stored.
-void rope_token(float* row, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const float* c, const float* s,
-                const float* q_norm, const float* k_norm, float eps, void* k_cache, void* v_cache, int64_t slot,
-                int64_t kv_format) {
-  const int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
-  for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-    float* x = row + h * head_dim;
-    const float* w = h < num_heads ? q_norm : k_norm;
-    if (w != nullptr) rms_norm_inplace(x, w, head_dim, eps);
-    rope_head(x, c, s, half);
-  }
-  const float* k = row + num_heads * head_dim;
-  kvp::with_kv(kv_format, k_cache, [&](auto typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    kvp::kv_store_row(static_cast<T*>(k_cache) + slot * kv_size, k, kv_size);
-    kvp::kv_store_row(static_cast<T*>(v_cache) + slot * kv_size, k + kv_size, kv_size);
-  });
-}
-
-}  // namespace
-
 void kvp_rope_and_cache(float* qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, const float* cos, const float* sin, const float* q_norm,
                         const float* k_norm, float eps, void* k_cache, void* v_cache, const int64_t* slots,
