@@ -315,11 +315,15 @@ def test_the_integer_dot_path_follows_the_cpu_and_the_isa_switch_and_is_logged(
     assert kernels.describe_dot().startswith("portable C++ integer-dot kernel (scalar int32")
 
 
-def test_symmetric_int4_dot_gives_the_bits_of_its_stored_offset_form_on_every_path() -> None:
+def test_symmetric_int4_dot_gives_the_bits_of_its_stored_offset_form_where_it_adds_the_offset_term() -> None:
+    # Every path but the VNNI block tiles (group 32) adds the offset -8 * scale as a term of its own,
+    # as it adds stored offsets; those tiles fold it into the integer dots instead (held to the
+    # reference, and closer to it than the stored form).
     _kernels_or_skip()
     kernels = load_quant_kernels()
     gen = torch.Generator().manual_seed(12)
     levels = [LEVEL_PORTABLE] + [lv for lv in (LEVEL_AVX2, LEVEL_AVX512) if kernels.dot_level(lv) == lv]
+    folded = 0
     for group in (32, 64):
         for n, k in SHAPES:
             symmetric = symmetric_int4(Int4DotWeight, torch.randn(n, k, generator=gen), group)
@@ -328,4 +332,14 @@ def test_symmetric_int4_dot_gives_the_bits_of_its_stored_offset_form_on_every_pa
                 symmetric.max_level = stored.max_level = level
                 for rows in (1, 3, 16):
                     x = torch.randn(rows, k, generator=gen)
-                    assert torch.equal(symmetric.dot_kernel(x), stored.dot_kernel(x)), (group, n, k, level, rows)
+                    if level == LEVEL_AVX512 and group == 32:
+                        _assert_float32_rounding(symmetric.dot_kernel(x), x, symmetric, None)
+                        ref = reference_matmul(symmetric, x, None)
+                        folded_err = (symmetric.dot_kernel(x).double() - ref).abs().max().item()
+                        stored_err = (stored.dot_kernel(x).double() - ref).abs().max().item()
+                        assert folded_err <= stored_err, (n, k, rows)
+                        folded += 1
+                    else:
+                        assert torch.equal(symmetric.dot_kernel(x), stored.dot_kernel(x)), (group, n, k, level, rows)
+    if LEVEL_AVX512 in levels:
+        assert folded > 0

@@ -784,8 +784,51 @@ struct Vnni : Avx2 {
     const __m512i xs = _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x);
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.abs, xs));
   }
-  static __m512 dot_pair_i4(__m512i w, __m512i x) {
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+  static __m512 dot_pair_i4(__m512i w, __m512i x, __m512i init) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, w, x));
+  }
+  // int4, four blocks (b .. b + 3) per step: lo holds the four blocks' low-nibble codes (16 bytes each,
+  // block b + k in 128-bit lane k), hi their high-nibble codes in the same lanes; the activations in
+  // the same two halves. Both halves' products add into one int32 lane (a lane's 8 products, 4 of each
+  // half, at most 8 * 15 * 127), so one conversion, multiply and multiply-add serve 128 weights, and
+  // one 512-bit unpack (a shift, two masks) serves four blocks where w_pair_i4's serves two.
+  struct Quad {
+    __m512i lo, hi;
+  };
+  // a: the 32 stored bytes of blocks b, b + 1; c: those of b + 2, b + 3 (int4_rows.h's chunks)
+  static Quad w_quad_i4(const uint8_t* a, const uint8_t* c) {
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), 1);
+    const __m512i m = _mm512_set1_epi8(0xF);
+    return Quad{_mm512_and_si512(t, m), _mm512_and_si512(_mm512_srli_epi16(t, 4), m)};
+  }
+  // The four stored activation blocks at q ([lo 16, hi 16] each) as w_quad_i4's halves.
+  static Quad x_quad_i4(const int8_t* q) {
+    const __m512i x0 = _mm512_loadu_si512(q), x1 = _mm512_loadu_si512(q + 2 * kBlock);
+    return Quad{_mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1))};
+  }
+  // lanes 4k .. 4k + 3: block b + k's exact integer dot, in four partial sums, plus init's lanes
+  static __m512 dot_quad_i4(const Quad& w, const Quad& x, __m512i init) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, w.lo, x.lo), w.hi, x.hi));
+  }
+  // Symmetric int4 (w = (code - 8) * s: GGUF Q4_0): -8 times the sum of each lane's activations, for
+  // the lanes of dot_quad_i4 (neg8_quad), dot_pair_i4 (neg8_pair) and the 8-lane dot8 (neg8_8). Started
+  // from it, a dot is the block's exact integer dot with the weights' values, so the tile needs no
+  // offset term (|.| <= 8 * 8 * 127 beside a code dot of at most 8 * 15 * 127: int32).
+  static __m512i neg8_quad(const Quad& x) {
+    const __m512i e = _mm512_set1_epi8(8);
+    const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), e, x.lo), e, x.hi);
+    return _mm512_sub_epi32(_mm512_setzero_si512(), t);
+  }
+  static __m512i neg8_pair(__m512i x) {
+    const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), x);
+    return _mm512_sub_epi32(_mm512_setzero_si512(), t);
+  }
+  static __m256i neg8_8(const int8_t* q) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), x);
+    return _mm256_sub_epi32(_mm256_setzero_si256(), t);
   }
   // The two floats at f (block b's and b + 1's) spread over the lanes of their blocks.
   template <class SC>
@@ -813,9 +856,9 @@ struct Vnni : Avx2 {
   }
   // One block's products as 8 float lanes (int4: the low-nibble half in lanes 0..3, the high in 4..7).
   static V dot8(const W& w, const int8_t* q) { return dot_i8(w, load_x(q)); }
-  static V dot8(const W4& w, const int8_t* q) {
+  static V dot8(const W4& w, const int8_t* q, __m256i init) {  // plus init's lanes
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set_m128i(w.hi, w.lo), x));
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, _mm256_set_m128i(w.hi, w.lo), x));
   }
 };
 KVQ_POP
