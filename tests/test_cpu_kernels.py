@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpager.model.attention import AttentionMetadata, build_attention_metadata
-from kvpager.model.backends import quant_weights
+from kvpager.model.backends import cpu_ops, quant_weights
 from kvpager.model.backends.kernels.abi import KV_FORMATS
 from kvpager.model.backends.kernels.build import KernelLibrary, expected_isa, load_cpu_kernels
 from kvpager.model.backends.ops import (
@@ -558,6 +558,16 @@ def test_prefill_matches_torch_when_later_keys_outscore_earlier_ones(kops: SpyOp
 def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_the_path_list_says_whether_prompt_steps_keep_bfloat16_between_the_gemms(
+    kops: SpyOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for native in (True, False):
+        monkeypatch.setattr(cpu_ops, "native_bf16_matmul_available", lambda native=native: native)
+        route = kops.paths()["prompt_layers"]
+        assert route.startswith("bfloat16 between oneDNN's GEMMs") == native, route
+        assert route.startswith("op by op") != native, route
 
 
 def test_amx_prefill_kernel_is_taken_where_the_cpu_and_build_have_it(kops: SpyOps) -> None:

@@ -131,6 +131,12 @@ class CpuKernelOps(TorchOps):
                 if self._bf16_linear
                 else ""
             ),
+            "prompt_layers": (
+                "bfloat16 between oneDNN's GEMMs in steps whose every projection is a bfloat16 weight oneDNN "
+                f"takes (past {NATIVE_BF16_AFTER_ROWS} rows, and past the AMX tile kernel's), else op by op"
+                if native_bf16_matmul_available()
+                else "op by op (no native bfloat16 matmul on this CPU)"
+            ),
         }
 
     def kernel_stats(self) -> dict[str, Any]:
