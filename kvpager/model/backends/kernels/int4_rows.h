@@ -24,10 +24,10 @@ constexpr int64_t kChunk = 32;     // bytes of one row per turn
 // ahead. The next tile's rows prefetched where the plain layout's would be (four streams a row apart)
 // measured slower than this single stream ahead, and than no software prefetch at all.
 constexpr int64_t kPrefetchAhead = 4096;
-// The int4 tiles prefetch that stream, and the scale rows beside it, into L2 (prefetcht2: locality 1),
-// not L1: an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, and a
-// 4-bit stream is consumed fast enough that they run out, so the tile's own loads wait behind the
-// prefetches; L2 prefetches leave the tile's loads L2 hits.
+// The integer-dot tiles (and the exact int4 tiles) prefetch their weight streams, scale rows and planes
+// into L2 (prefetcht2: locality 1), not L1: an L1 prefetch holds one of the core's few L1 miss buffers
+// until its line arrives, and a 4- or 8-bit stream is consumed fast enough that they run out, so the
+// tile's own loads wait behind the prefetches; L2 prefetches leave the tile's loads L2 hits.
 constexpr int kPrefetchLocality = 1;
 
 // How many leading rows are interleaved: N rounded down to a group of four, when the format asks for

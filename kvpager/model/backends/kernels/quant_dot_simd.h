@@ -797,8 +797,8 @@ struct Vnni : Avx2 {
   };
   // a: the 32 stored bytes of blocks b, b + 1; c: those of b + 2, b + 3 (int4_rows.h's chunks)
   static Quad w_quad_i4(const uint8_t* a, const uint8_t* c) {
-    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), 1);
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), 1);
     const __m512i m = _mm512_set1_epi8(0xF);
     return Quad{_mm512_and_si512(t, m), _mm512_and_si512(_mm512_srli_epi16(t, 4), m)};
   }
